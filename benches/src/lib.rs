@@ -1,0 +1,189 @@
+//! Shared pieces of mayfly's benchmarks: statistics, process memory, and the JSON report's
+//! description of where it ran.
+
+use serde::Serialize;
+
+/// Min, median and max of a set of samples (milliseconds unless the field says otherwise).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Stats {
+    pub min: f64,
+    pub median: f64,
+    pub max: f64,
+    pub samples: usize,
+}
+
+impl Stats {
+    /// None for an empty set.
+    pub fn of(samples: &[f64]) -> Option<Self> {
+        if samples.is_empty() {
+            return None;
+        }
+        let mut sorted = samples.to_vec();
+        sorted.sort_by(|a, b| a.total_cmp(b));
+        let n = sorted.len();
+        let median = if n % 2 == 1 {
+            sorted[n / 2]
+        } else {
+            (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
+        };
+        Some(Stats {
+            min: sorted[0],
+            median,
+            max: sorted[n - 1],
+            samples: n,
+        })
+    }
+}
+
+/// CLOCK_MONOTONIC in nanoseconds, the clock `mayfly --boot-trace` stamps its events with.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime fills the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Resident and proportional memory of a process, whole and for the mappings whose name
+/// contains a given string (such as guest RAM), in KiB.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
+pub struct MemoryUse {
+    pub rss_kib: u64,
+    pub pss_kib: u64,
+}
+
+/// Sum Rss and Pss over the mappings of `/proc/<pid>/smaps` that `select` accepts (by name).
+pub fn smaps_memory(pid: u32, select: impl Fn(&str) -> bool) -> std::io::Result<MemoryUse> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
+    Ok(parse_smaps(&smaps, select))
+}
+
+fn parse_smaps(smaps: &str, select: impl Fn(&str) -> bool) -> MemoryUse {
+    let mut total = MemoryUse::default();
+    let mut selected = false;
+    for line in smaps.lines() {
+        let mut fields = line.split_whitespace();
+        let Some(first) = fields.next() else { continue };
+        if first.contains('-') && !first.ends_with(':') {
+            // A mapping's header: "start-end perms offset dev inode [name]".
+            let name = line.split_whitespace().nth(5).unwrap_or("");
+            selected = select(name);
+            continue;
+        }
+        if !selected {
+            continue;
+        }
+        let value: u64 = fields.next().and_then(|v| v.parse().ok()).unwrap_or(0);
+        match first {
+            "Rss:" => total.rss_kib += value,
+            "Pss:" => total.pss_kib += value,
+            _ => {}
+        }
+    }
+    total
+}
+
+/// Where a benchmark ran, for its report.
+#[derive(Clone, Debug, Serialize)]
+pub struct Machine {
+    /// "rig": inside the emulated test machine (times are not real-world times);
+    /// "host": on this machine's KVM directly.
+    pub kvm: String,
+    pub cpu_model: String,
+    pub cpus: usize,
+    pub kernel: String,
+    /// /sys/kernel/mm/transparent_hugepage/shmem_enabled: whether memfd guest RAM gets huge
+    /// pages (mayfly asks for them), which changes boot times a lot.
+    pub shmem_thp: String,
+    pub note: String,
+}
+
+impl Machine {
+    pub fn describe() -> Self {
+        let in_rig = std::env::var_os(mayfly_tests::rig::IN_RIG_ENV).is_some();
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu_model = cpuinfo
+            .lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split(':').nth(1))
+            .unwrap_or("unknown")
+            .trim()
+            .to_string();
+        let cpus = cpuinfo
+            .lines()
+            .filter(|l| l.starts_with("processor"))
+            .count();
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        let note = if in_rig {
+            "measured inside the test rig (QEMU TCG L1 with kvm_amd): compare ratios against the baseline of the same run, not absolute times".into()
+        } else {
+            "measured on this machine's KVM directly".into()
+        };
+        let shmem_thp =
+            std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+                .ok()
+                .and_then(|s| {
+                    s.split_whitespace()
+                        .find(|w| w.starts_with('['))
+                        .map(|w| w.trim_matches(['[', ']']).to_string())
+                })
+                .unwrap_or_else(|| "unknown".into());
+        Machine {
+            kvm: if in_rig { "rig" } else { "host" }.into(),
+            cpu_model,
+            cpus,
+            kernel,
+            shmem_thp,
+            note,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_median_of_even_and_odd_sets() {
+        assert_eq!(Stats::of(&[]), None);
+        let s = Stats::of(&[3.0, 1.0, 2.0]).unwrap();
+        assert_eq!((s.min, s.median, s.max, s.samples), (1.0, 2.0, 3.0, 3));
+        assert_eq!(Stats::of(&[4.0, 1.0, 2.0, 3.0]).unwrap().median, 2.5);
+    }
+
+    #[test]
+    fn smaps_sums_selected_mappings() {
+        let smaps = "\
+55d0-55e0 r-xp 00000000 fd:00 123 /usr/bin/mayfly
+Rss:                 100 kB
+Pss:                  50 kB
+7f00-7f10 rw-s 00000000 00:01 9 /memfd:mayfly-guest-ram (deleted)
+Rss:                2048 kB
+Pss:                2048 kB
+7f20-7f30 rw-p 00000000 00:00 0
+Rss:                  12 kB
+Pss:                  12 kB
+";
+        let guest = parse_smaps(smaps, |n| n.contains("mayfly-guest-ram"));
+        assert_eq!(
+            guest,
+            MemoryUse {
+                rss_kib: 2048,
+                pss_kib: 2048
+            }
+        );
+        let all = parse_smaps(smaps, |_| true);
+        assert_eq!(
+            all,
+            MemoryUse {
+                rss_kib: 2160,
+                pss_kib: 2110
+            }
+        );
+    }
+}

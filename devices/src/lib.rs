@@ -1,0 +1,20 @@
+//! The devices mayfly emulates for its guests.
+//!
+//! Each device is a plain struct that the VMM puts on an I/O bus ([`bus::PioBus`]); a device's
+//! saved state, when it has one, is defined next to the device so snapshots stay in step with it.
+
+pub mod bus;
+pub mod legacy;
+pub mod power;
+
+/// What a guest asked of the machine through a device: the VMM ends (or restarts) the VM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PowerRequest {
+    /// The guest asked for a reset (i8042 pulse, ACPI reset register).
+    Reset,
+    /// The guest asked to be powered off (ACPI sleep state S5).
+    PowerOff,
+}
+
+/// Called by a device, on a vCPU thread, when the guest makes a [`PowerRequest`].
+pub type PowerHandler = Box<dyn Fn(PowerRequest) + Send>;

@@ -1,0 +1,280 @@
+//! Drive a `mayfly` process from a test: start it, wait for what the guest prints, type
+//! commands into its serial console and read their output, and collect how it ended.
+//!
+//! Timeouts here only stop a hung test; they are not performance assertions.
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// The readiness line the default guest prints once it is up.
+pub const READY: &str = "mayfly-guest: ready";
+
+/// Generous bound for a boot inside the emulated test rig.
+pub const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
+/// Bound for one shell command to answer.
+pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The `mayfly` binary built beside this program (`target/<profile>/mayfly`, for a test in
+/// `target/<profile>/deps/` or a benchmark in `target/<profile>/`), or `MAYFLY_BIN`.
+pub fn mayfly_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("MAYFLY_BIN") {
+        return PathBuf::from(path);
+    }
+    let exe = std::env::current_exe().expect("the program knows its own path");
+    let candidates: Vec<PathBuf> = exe
+        .ancestors()
+        .skip(1)
+        .take(2)
+        .map(|dir| dir.join("mayfly"))
+        .collect();
+    candidates
+        .iter()
+        .find(|bin| bin.exists())
+        .cloned()
+        .unwrap_or_else(|| {
+            panic!(
+                "no mayfly binary at {candidates:?}: build it first (cargo build --release -p mayfly-vmm) or set MAYFLY_BIN"
+            )
+        })
+}
+
+/// The project's artifact cache (`MAYFLY_CACHE`, default ~/.cache/mayfly).
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("MAYFLY_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/root".into()))
+                .join(".cache/mayfly")
+        })
+}
+
+/// A file of the current default guest build, e.g. `kernel/microvm.current/bzImage`.
+pub fn guest_artifact(relative: &str) -> PathBuf {
+    let path = cache_dir().join(relative);
+    assert!(
+        path.exists(),
+        "{} is missing: run guest-kernel/build.sh and rootfs/build.sh",
+        path.display()
+    );
+    path
+}
+
+#[derive(Default)]
+struct Captured {
+    bytes: Vec<u8>,
+    closed: bool,
+}
+
+/// Collects a pipe's bytes on a thread; tests wait on it for text to appear.
+#[derive(Clone, Default)]
+struct Capture(Arc<(Mutex<Captured>, Condvar)>);
+
+impl Capture {
+    fn spawn(self, mut pipe: impl Read + Send + 'static) {
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            loop {
+                let n = pipe.read(&mut buf).unwrap_or(0);
+                let (lock, cond) = &*self.0;
+                let mut captured = lock.lock().unwrap();
+                if n == 0 {
+                    captured.closed = true;
+                    cond.notify_all();
+                    return;
+                }
+                captured.bytes.extend_from_slice(&buf[..n]);
+                cond.notify_all();
+            }
+        });
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0 .0.lock().unwrap().bytes).into_owned()
+    }
+
+    /// Wait until the pipe is closed (the process and its children let go of it).
+    fn wait_closed(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let (lock, cond) = &*self.0;
+        let mut captured = lock.lock().unwrap();
+        while !captured.closed {
+            let now = Instant::now();
+            if now >= deadline {
+                return;
+            }
+            captured = cond.wait_timeout(captured, deadline - now).unwrap().0;
+        }
+    }
+
+    /// Wait until `pattern` appears at or after byte `from`; returns the end of the match.
+    fn wait_for(&self, pattern: &str, from: usize, timeout: Duration) -> Option<usize> {
+        let deadline = Instant::now() + timeout;
+        let (lock, cond) = &*self.0;
+        let mut captured = lock.lock().unwrap();
+        loop {
+            let start = from.min(captured.bytes.len());
+            if let Some(at) = find(&captured.bytes[start..], pattern.as_bytes()) {
+                return Some(start + at + pattern.len());
+            }
+            let now = Instant::now();
+            if captured.closed || now >= deadline {
+                return None;
+            }
+            captured = cond.wait_timeout(captured, deadline - now).unwrap().0;
+        }
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// A running `mayfly run` (or any mayfly command) with its console on pipes.
+pub struct Guest {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: Capture,
+    stderr: Capture,
+    /// Console output before this offset has been consumed by earlier waits.
+    cursor: usize,
+    commands: u32,
+}
+
+impl Guest {
+    /// Start `mayfly <args>`.
+    pub fn start(args: &[&str]) -> Self {
+        Self::start_with(Command::new(mayfly_bin()).args(args))
+    }
+
+    pub fn start_with(command: &mut Command) -> Self {
+        let mut child = command
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("mayfly starts");
+        let stdout = Capture::default();
+        stdout.clone().spawn(child.stdout.take().unwrap());
+        let stderr = Capture::default();
+        stderr.clone().spawn(child.stderr.take().unwrap());
+        Guest {
+            stdin: child.stdin.take(),
+            child,
+            stdout,
+            stderr,
+            cursor: 0,
+            commands: 0,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Everything the console printed so far.
+    pub fn console(&self) -> String {
+        self.stdout.text()
+    }
+
+    pub fn stderr(&self) -> String {
+        self.stderr.text()
+    }
+
+    /// Wait for `pattern` on the console after what earlier waits consumed; panics with the
+    /// console and stderr if it does not come.
+    pub fn expect(&mut self, pattern: &str, timeout: Duration) -> String {
+        match self.stdout.wait_for(pattern, self.cursor, timeout) {
+            Some(end) => {
+                let text = self.stdout.text();
+                let seen = text
+                    .get(self.cursor..end)
+                    .unwrap_or_default()
+                    .to_string();
+                self.cursor = end;
+                seen
+            }
+            None => panic!(
+                "{pattern:?} did not appear on the console within {timeout:?}\n--- console ---\n{}\n--- stderr ---\n{}",
+                self.console(),
+                self.stderr()
+            ),
+        }
+    }
+
+    /// Wait for the default guest's readiness line and return that line.
+    pub fn expect_ready(&mut self) -> String {
+        self.expect(READY, BOOT_TIMEOUT);
+        self.expect("\n", COMMAND_TIMEOUT);
+        let text = self.console();
+        let start = text[..self.cursor].rfind(READY).unwrap_or(0);
+        text[start..self.cursor].trim().to_string()
+    }
+
+    /// Type raw text into the console.
+    pub fn send(&mut self, text: &str) {
+        let stdin = self.stdin.as_mut().expect("the console's stdin is open");
+        stdin
+            .write_all(text.as_bytes())
+            .expect("write to the console");
+        stdin.flush().expect("flush the console");
+    }
+
+    /// Run a shell command in the guest and return its output (stdout and stderr, trimmed).
+    /// The markers are split in the typed text so the terminal's echo of the command line
+    /// cannot be mistaken for them.
+    pub fn run(&mut self, command: &str) -> String {
+        self.commands += 1;
+        let n = self.commands;
+        self.send(&format!(
+            "echo '@@beg''in-{n}@@'; {command} 2>&1; echo '@@en''d-{n}@@'\n"
+        ));
+        self.expect(&format!("@@begin-{n}@@"), COMMAND_TIMEOUT);
+        let output = self.expect(&format!("@@end-{n}@@"), COMMAND_TIMEOUT);
+        output
+            .trim_end_matches(&format!("@@end-{n}@@"))
+            .replace('\r', "")
+            .trim()
+            .to_string()
+    }
+
+    /// Wait for the process to end.
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait for mayfly") {
+                // Let the capture threads drain the pipes.
+                self.stdout.wait_closed(Duration::from_secs(5));
+                self.stderr.wait_closed(Duration::from_secs(5));
+                return status;
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                panic!(
+                    "mayfly did not exit within {timeout:?}\n--- console ---\n{}\n--- stderr ---\n{}",
+                    self.console(),
+                    self.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Send a signal to the mayfly process.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child's pid; the result is checked.
+        let rc = unsafe { libc::kill(self.child.id() as i32, signal) };
+        assert_eq!(rc, 0, "signal {signal} to mayfly");
+    }
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}

@@ -1,0 +1,150 @@
+//! The guest's serial console on the host side: output to stdout or a file, input from stdin
+//! (in raw mode when stdin is a terminal, so keys such as Ctrl-C reach the guest).
+
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use mayfly_devices::bus::lock;
+use mayfly_devices::legacy::serial::ConsoleOut;
+use mayfly_devices::legacy::SerialConsole;
+
+/// Where the console goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Console {
+    /// Output to stdout, input from stdin.
+    Stdio,
+    /// Output to this file (created or truncated); no input.
+    File(PathBuf),
+}
+
+impl std::str::FromStr for Console {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "" => Err("--console takes 'stdio' or a file path".into()),
+            "stdio" => Ok(Console::Stdio),
+            path => Ok(Console::File(PathBuf::from(path))),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot open the console file {path}: {source}")]
+pub struct ConsoleError {
+    path: PathBuf,
+    source: io::Error,
+}
+
+/// A writer that passes every write straight through, so nothing waits in a buffer if the
+/// VMM is killed.
+struct Stdout;
+
+impl io::Write for Stdout {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let mut out = io::stdout().lock();
+        let n = out.write(buf)?;
+        out.flush()?;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        io::stdout().flush()
+    }
+}
+
+impl Console {
+    pub fn output(&self) -> Result<ConsoleOut, ConsoleError> {
+        match self {
+            Console::Stdio => Ok(Box::new(Stdout)),
+            Console::File(path) => File::create(path)
+                .map(|f| Box::new(f) as ConsoleOut)
+                .map_err(|source| ConsoleError {
+                    path: path.clone(),
+                    source,
+                }),
+        }
+    }
+}
+
+/// Puts a terminal in raw mode and restores it when dropped.
+pub struct RawTerminal {
+    fd: i32,
+    saved: libc::termios,
+}
+
+impl RawTerminal {
+    /// Raw mode for stdin if it is a terminal; None otherwise.
+    pub fn stdin() -> Option<Self> {
+        let fd = io::stdin().as_raw_fd();
+        // SAFETY: termios is plain data; tcgetattr fills it and we check the result.
+        let mut saved: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: fd is stdin and `saved` is a valid termios to fill.
+        if unsafe { libc::isatty(fd) } != 1 || unsafe { libc::tcgetattr(fd, &mut saved) } != 0 {
+            return None;
+        }
+        let mut raw = saved;
+        // SAFETY: cfmakeraw only edits the struct we pass.
+        unsafe { libc::cfmakeraw(&mut raw) };
+        // SAFETY: fd is a terminal and `raw` a valid termios.
+        if unsafe { libc::tcsetattr(fd, libc::TCSANOW, &raw) } != 0 {
+            return None;
+        }
+        Some(Self { fd, saved })
+    }
+}
+
+impl Drop for RawTerminal {
+    fn drop(&mut self) {
+        // SAFETY: restores the settings read from the same terminal.
+        unsafe { libc::tcsetattr(self.fd, libc::TCSANOW, &self.saved) };
+    }
+}
+
+/// Forward stdin to the guest's serial port until stdin ends. Input waits while the guest has
+/// not read what is already queued (the UART's FIFO is small).
+pub fn spawn_stdin_forwarder(serial: Arc<Mutex<SerialConsole>>) -> io::Result<()> {
+    std::thread::Builder::new()
+        .name("console-in".into())
+        .stack_size(crate::HELPER_THREAD_STACK)
+        .spawn(move || {
+            let mut stdin = io::stdin().lock();
+            let mut buf = [0u8; 256];
+            loop {
+                let n = match stdin.read(&mut buf) {
+                    Ok(0) => return,
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(_) => return,
+                };
+                let mut pending = &buf[..n];
+                while !pending.is_empty() {
+                    let queued = lock(&serial).queue_input(pending);
+                    pending = &pending[queued..];
+                    if !pending.is_empty() {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn console_argument() {
+        assert_eq!("stdio".parse::<Console>().unwrap(), Console::Stdio);
+        assert_eq!(
+            "/tmp/x.log".parse::<Console>().unwrap(),
+            Console::File("/tmp/x.log".into())
+        );
+        assert!("".parse::<Console>().is_err());
+    }
+}

@@ -1,0 +1,47 @@
+//! mayfly: a KVM virtual machine monitor for microVMs.
+//!
+//! Where to start reading:
+//! - [`boot`]: the boot path, from a [`config::RunConfig`] to a running [`vm::Vm`].
+//! - [`vcpu`]: the vCPU threads and how they are paused, stopped and kicked.
+//! - [`vm`]: the KVM VM itself and how a VM ends.
+
+#[cfg(not(target_arch = "x86_64"))]
+compile_error!("mayfly supports x86-64 hosts only");
+
+pub mod arch;
+pub mod boot;
+pub mod config;
+pub mod console;
+pub mod devices;
+pub mod kernel;
+pub mod memory;
+pub mod trace;
+pub mod vcpu;
+pub mod vm;
+
+/// Stack size of the VMM's own threads (vCPUs, console, signals). They need little, and a stack
+/// smaller than 2 MiB can never be backed by a transparent huge page, which would cost 2 MiB of
+/// RSS per thread on hosts that enable THP for all anonymous memory.
+pub const HELPER_THREAD_STACK: usize = 256 << 10;
+
+/// The guest kernel and initramfs built into this binary, if they were built before it.
+pub mod default_guest {
+    include!(concat!(env!("OUT_DIR"), "/default_guest.rs"));
+}
+
+/// Any error `mayfly` reports to its user.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Boot(boot::BootError),
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    #[error(transparent)]
+    Kernel(#[from] kernel::KernelError),
+    #[error(transparent)]
+    CpuTemplate(#[from] arch::cpuid::CpuTemplateError),
+    #[error("this mayfly has no built-in guest {0}: build it with guest-kernel/build.sh and rootfs/build.sh and rebuild mayfly (cargo build --release), or pass --kernel and --initrd")]
+    NoDefaultGuest(&'static str),
+    #[error("cannot set up signal handling: {0}")]
+    Signals(std::io::Error),
+}

@@ -1,0 +1,458 @@
+//! One thread per vCPU: run the guest, route its port I/O to the devices, and stop, pause or
+//! report when told to or when the guest does something fatal.
+//!
+//! Control: another thread sets the vCPU's target state and kicks it with a real-time signal;
+//! the signal handler sets `immediate_exit` in the vCPU's `kvm_run`, so the kick cannot be lost
+//! between checking the target and entering `KVM_RUN`.
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
+use std::thread::JoinHandle;
+
+use kvm_bindings::{
+    kvm_guest_debug, kvm_run, KVM_GUESTDBG_ENABLE, KVM_GUESTDBG_USE_HW_BP, KVM_SYSTEM_EVENT_CRASH,
+    KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
+};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use mayfly_devices::bus::PioBus;
+use mayfly_devices::PowerRequest;
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use crate::trace;
+use crate::vm::VmEvent;
+
+thread_local! {
+    /// This thread's `kvm_run`, for the kick signal handler.
+    static KVM_RUN: Cell<*mut kvm_run> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    let run = KVM_RUN.with(|r| r.get());
+    if !run.is_null() {
+        // SAFETY: the pointer is this thread's kvm_run mapping, set by the vCPU loop before it
+        // first runs and valid for as long as the thread's VcpuFd lives (the whole loop).
+        unsafe { std::ptr::addr_of_mut!((*run).immediate_exit).write_volatile(1) };
+    }
+}
+
+fn kick_signal() -> libc::c_int {
+    SIGRTMIN()
+}
+
+/// Install the kick handler once per process.
+pub fn init_kick_signal() -> Result<(), std::io::Error> {
+    static ONCE: Once = Once::new();
+    let mut result = Ok(());
+    ONCE.call_once(|| {
+        result = register_signal_handler(kick_signal(), kick_handler)
+            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()));
+    });
+    result
+}
+
+/// What a vCPU thread is asked to be doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    Run,
+    Pause,
+    Exit,
+}
+
+/// Work run on a paused vCPU's own thread (vCPU ioctls such as saving its state).
+pub type VcpuJob = Box<dyn FnOnce(&mut VcpuFd) + Send>;
+
+struct ControlState {
+    target: Target,
+    /// The vCPU ended its run (fatal exit or power request): it only waits for `Exit` now.
+    finished: bool,
+    paused: bool,
+    exited: bool,
+    jobs: VecDeque<VcpuJob>,
+}
+
+/// Shared between a vCPU thread and whoever controls it.
+pub struct VcpuControl {
+    state: Mutex<ControlState>,
+    changed: Condvar,
+}
+
+impl VcpuControl {
+    fn new(target: Target) -> Self {
+        Self {
+            state: Mutex::new(ControlState {
+                target,
+                finished: false,
+                paused: false,
+                exited: false,
+                jobs: VecDeque::new(),
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, ControlState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// What the vCPU thread needs besides its fd.
+pub struct VcpuContext {
+    pub pio: Arc<PioBus>,
+    pub events: Sender<VmEvent>,
+    pub trace: Option<trace::Breakpoints>,
+}
+
+/// The controlling side of a running vCPU thread.
+pub struct VcpuHandle {
+    pub index: u8,
+    control: Arc<VcpuControl>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl VcpuHandle {
+    /// Start the vCPU's thread; it runs the guest at once when `start` is `Target::Run`.
+    pub fn spawn(
+        index: u8,
+        vcpu: VcpuFd,
+        context: Arc<VcpuContext>,
+        start: Target,
+    ) -> std::io::Result<Self> {
+        let control = Arc::new(VcpuControl::new(start));
+        let thread_control = control.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{index}"))
+            .stack_size(crate::HELPER_THREAD_STACK)
+            .spawn(move || vcpu_loop(index, vcpu, &context, &thread_control))?;
+        Ok(Self {
+            index,
+            control,
+            thread: Some(thread),
+        })
+    }
+
+    fn kick(&self) {
+        if let Some(thread) = &self.thread {
+            // A thread that already ended cannot be signalled; nothing to do then.
+            let _ = thread.kill(kick_signal());
+        }
+    }
+
+    fn set_target(&self, target: Target) {
+        let mut state = self.control.lock();
+        if state.target != Target::Exit && (!state.finished || target == Target::Exit) {
+            state.target = target;
+        }
+        drop(state);
+        self.control.changed.notify_all();
+        self.kick();
+    }
+
+    /// Ask the vCPU to pause (it finishes the exit it is handling first).
+    pub fn request_pause(&self) {
+        self.set_target(Target::Pause);
+    }
+
+    /// Wait until the vCPU is paused or gone. Returns false if it is gone.
+    pub fn wait_paused(&self) -> bool {
+        let mut state = self.control.lock();
+        while !state.paused && !state.exited {
+            state = self
+                .control
+                .changed
+                .wait(state)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        !state.exited
+    }
+
+    pub fn resume(&self) {
+        self.set_target(Target::Run);
+    }
+
+    /// Run `job` on the (paused) vCPU's thread and wait for it. Returns None if the vCPU is gone.
+    pub fn run_job<T: Send + 'static>(
+        &self,
+        job: impl FnOnce(&mut VcpuFd) -> T + Send + 'static,
+    ) -> Option<T> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        {
+            let mut state = self.control.lock();
+            if state.exited {
+                return None;
+            }
+            state.jobs.push_back(Box::new(move |vcpu| {
+                let _ = tx.send(job(vcpu));
+            }));
+        }
+        self.control.changed.notify_all();
+        rx.recv().ok()
+    }
+
+    /// Ask the thread to end; `join` waits for it.
+    pub fn request_exit(&self) {
+        self.set_target(Target::Exit);
+    }
+
+    pub fn join(&mut self) {
+        if let Some(thread) = self.thread.take() {
+            // Kick until the thread is out of KVM_RUN and has seen the request.
+            while !self.control.lock().exited {
+                let _ = thread.kill(kick_signal());
+                let state = self.control.lock();
+                if state.exited {
+                    break;
+                }
+                let _ = self
+                    .control
+                    .changed
+                    .wait_timeout(state, std::time::Duration::from_millis(5));
+            }
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for VcpuHandle {
+    fn drop(&mut self) {
+        self.request_exit();
+        self.join();
+    }
+}
+
+/// Wait while paused (running queued jobs). Returns false when the thread should exit.
+fn obey_control(vcpu: &mut VcpuFd, control: &VcpuControl) -> bool {
+    let mut state = control.lock();
+    loop {
+        match state.target {
+            Target::Run => {
+                if state.paused {
+                    state.paused = false;
+                    control.changed.notify_all();
+                }
+                return true;
+            }
+            Target::Exit => return false,
+            Target::Pause => {
+                if !state.paused {
+                    state.paused = true;
+                    control.changed.notify_all();
+                }
+                if let Some(job) = state.jobs.pop_front() {
+                    drop(state);
+                    job(vcpu);
+                    state = control.lock();
+                    continue;
+                }
+                state = control
+                    .changed
+                    .wait(state)
+                    .unwrap_or_else(|p| p.into_inner());
+            }
+        }
+    }
+}
+
+fn vcpu_loop(index: u8, mut vcpu: VcpuFd, context: &VcpuContext, control: &VcpuControl) {
+    let run_ptr: *mut kvm_run = vcpu.get_kvm_run();
+    KVM_RUN.with(|r| r.set(run_ptr));
+    let mut breakpoints = if index == 0 {
+        context.trace.clone()
+    } else {
+        None
+    };
+    match &breakpoints {
+        Some(bps) if bps.remaining() => arm_breakpoints(&vcpu, bps),
+        _ => breakpoints = None,
+    }
+    let mut first_run = true;
+
+    let outcome = loop {
+        if !obey_control(&mut vcpu, control) {
+            break None;
+        }
+        if first_run && index == 0 {
+            trace::event("first_kvm_run");
+            first_run = false;
+        }
+        match vcpu.run() {
+            Ok(VcpuExit::IoOut(trace::TRACE_PORT, _)) if context.trace.is_some() => {
+                trace::event("first_instruction");
+            }
+            Ok(VcpuExit::IoOut(port, data)) => {
+                context.pio.write(port, data);
+            }
+            Ok(VcpuExit::IoIn(port, data)) => {
+                context.pio.read(port, data);
+            }
+            Ok(VcpuExit::MmioRead(_, data)) => data.fill(0xff),
+            Ok(VcpuExit::MmioWrite(..)) => {}
+            Ok(VcpuExit::Shutdown) => {
+                // A triple fault: how a PC resets when nothing else did.
+                break Some(VmEvent::Power(PowerRequest::Reset));
+            }
+            Ok(VcpuExit::SystemEvent(kind, _)) => match kind {
+                KVM_SYSTEM_EVENT_SHUTDOWN => break Some(VmEvent::Power(PowerRequest::PowerOff)),
+                KVM_SYSTEM_EVENT_RESET => break Some(VmEvent::Power(PowerRequest::Reset)),
+                KVM_SYSTEM_EVENT_CRASH => {
+                    break Some(fatal(&vcpu, index, "the guest reported a crash".into()))
+                }
+                other => break Some(fatal(&vcpu, index, format!("unknown system event {other}"))),
+            },
+            Ok(VcpuExit::Debug(debug)) => {
+                if let Some(bps) = &mut breakpoints {
+                    bps.hit(debug.dr6);
+                    if bps.remaining() {
+                        arm_breakpoints(&vcpu, bps);
+                    } else {
+                        disarm_breakpoints(&vcpu);
+                        breakpoints = None;
+                    }
+                }
+            }
+            Ok(VcpuExit::FailEntry(reason, cpu)) => {
+                break Some(fatal(
+                    &vcpu,
+                    index,
+                    format!(
+                    "KVM could not enter the guest (hardware reason {reason:#x}, host cpu {cpu})"
+                ),
+                ))
+            }
+            Ok(VcpuExit::InternalError) => {
+                let suberror = vcpu.get_kvm_run();
+                // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, so the union holds
+                // `internal`.
+                let code = unsafe { suberror.__bindgen_anon_1.internal.suberror };
+                break Some(fatal(
+                    &vcpu,
+                    index,
+                    format!("KVM internal error, suberror {code}"),
+                ));
+            }
+            Ok(other) => {
+                let what = format!("unexpected exit {other:?}");
+                break Some(fatal(&vcpu, index, what));
+            }
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                vcpu.set_kvm_immediate_exit(0);
+            }
+            Err(e) => break Some(fatal(&vcpu, index, format!("KVM_RUN failed: {e}"))),
+        }
+    };
+
+    KVM_RUN.with(|r| r.set(std::ptr::null_mut()));
+    if let Some(event) = outcome {
+        // The receiver is gone only when the VM is being torn down already.
+        let _ = context.events.send(event);
+        // Stay until told to exit, so the controller can still read state from this vCPU.
+        {
+            let mut state = control.lock();
+            state.finished = true;
+            if state.target == Target::Run {
+                state.target = Target::Pause;
+            }
+        }
+        while obey_control(&mut vcpu, control) {}
+    }
+    let mut state = control.lock();
+    state.exited = true;
+    state.paused = false;
+    // Jobs queued after the end get their channels dropped: callers see None.
+    state.jobs.clear();
+    drop(state);
+    control.changed.notify_all();
+}
+
+fn fatal(vcpu: &VcpuFd, index: u8, what: String) -> VmEvent {
+    VmEvent::VcpuFailed {
+        index,
+        reason: what,
+        registers: dump_registers(vcpu),
+    }
+}
+
+/// The vCPU's registers as text, for a fatal error report.
+pub fn dump_registers(vcpu: &VcpuFd) -> String {
+    let mut out = String::new();
+    match vcpu.get_regs() {
+        Ok(r) => {
+            let _ = writeln!(
+                out,
+                "  rip {:016x}  rsp {:016x}  rflags {:08x}",
+                r.rip, r.rsp, r.rflags
+            );
+            let _ = writeln!(
+                out,
+                "  rax {:016x}  rbx {:016x}  rcx {:016x}  rdx {:016x}",
+                r.rax, r.rbx, r.rcx, r.rdx
+            );
+            let _ = writeln!(
+                out,
+                "  rsi {:016x}  rdi {:016x}  rbp {:016x}",
+                r.rsi, r.rdi, r.rbp
+            );
+            let _ = writeln!(
+                out,
+                "  r8  {:016x}  r9  {:016x}  r10 {:016x}  r11 {:016x}",
+                r.r8, r.r9, r.r10, r.r11
+            );
+            let _ = writeln!(
+                out,
+                "  r12 {:016x}  r13 {:016x}  r14 {:016x}  r15 {:016x}",
+                r.r12, r.r13, r.r14, r.r15
+            );
+        }
+        Err(e) => {
+            let _ = writeln!(out, "  (general registers unavailable: {e})");
+        }
+    }
+    match vcpu.get_sregs() {
+        Ok(s) => {
+            let _ = writeln!(
+                out,
+                "  cr0 {:016x}  cr2 {:016x}  cr3 {:016x}  cr4 {:016x}  efer {:x}",
+                s.cr0, s.cr2, s.cr3, s.cr4, s.efer
+            );
+            let _ = writeln!(
+                out,
+                "  cs {:04x} base {:x} l={} db={}  ss {:04x}  gdt {:x}/{:x}  idt {:x}/{:x}",
+                s.cs.selector,
+                s.cs.base,
+                s.cs.l,
+                s.cs.db,
+                s.ss.selector,
+                s.gdt.base,
+                s.gdt.limit,
+                s.idt.base,
+                s.idt.limit
+            );
+        }
+        Err(e) => {
+            let _ = writeln!(out, "  (segment registers unavailable: {e})");
+        }
+    }
+    out
+}
+
+fn arm_breakpoints(vcpu: &VcpuFd, bps: &trace::Breakpoints) {
+    let mut debug = kvm_guest_debug {
+        control: KVM_GUESTDBG_ENABLE | KVM_GUESTDBG_USE_HW_BP,
+        ..Default::default()
+    };
+    let mut dr7 = 0u64;
+    for (i, addr) in bps.armed() {
+        debug.arch.debugreg[i] = addr;
+        dr7 |= 1 << (2 * i); // local enable, execute, 1 byte
+    }
+    debug.arch.debugreg[7] = dr7;
+    if let Err(e) = vcpu.set_guest_debug(&debug) {
+        eprintln!("mayfly: boot trace: cannot set breakpoints ({e}); phases will be missing");
+    }
+}
+
+fn disarm_breakpoints(vcpu: &VcpuFd) {
+    let _ = vcpu.set_guest_debug(&kvm_guest_debug::default());
+}
