@@ -532,9 +532,10 @@ pub fn run<S: AsRef<OsStr>>(opts: &RigOptions, command: &[S]) -> Result<RigOutpu
     } else {
         None
     };
+    let keep = kept_dirs(&[cwd.clone(), source_root()]);
     ctl.write(
         "rig.conf",
-        &rig_conf(&ctl.path, &rw, opts.interactive, terminal_size),
+        &rig_conf(&ctl.path, &rw, &keep, opts.interactive, terminal_size),
     )?;
     ctl.write("run.sh", &run_script(&cwd, &env, &command))?;
 
@@ -757,9 +758,33 @@ fn sh_quote(s: &[u8]) -> Vec<u8> {
     out
 }
 
+/// L1 mounts fresh tmpfs on /tmp and /run. Host directories under them that the command needs
+/// (its working directory, the source tree: a CI clone often lives in /tmp) are carried over,
+/// read-only like the rest of the host's root. /tmp or /run themselves are not: the command
+/// needs them writable.
+fn kept_dirs(dirs: &[PathBuf]) -> Vec<PathBuf> {
+    let fresh = [Path::new("/tmp"), Path::new("/run")];
+    let mut kept: Vec<PathBuf> = dirs
+        .iter()
+        .filter_map(|d| d.canonicalize().ok())
+        .filter(|d| fresh.iter().any(|f| d.starts_with(f) && d.as_path() != *f))
+        .filter(|d| !d.as_os_str().as_bytes().contains(&b'\n'))
+        .collect();
+    kept.sort();
+    kept.dedup();
+    // A directory inside another kept one comes along with it.
+    let outer: Vec<PathBuf> = kept
+        .iter()
+        .filter(|d| !kept.iter().any(|o| o != *d && d.starts_with(o)))
+        .cloned()
+        .collect();
+    outer
+}
+
 fn rig_conf(
     ctl: &Path,
     rw: &[PathBuf],
+    keep: &[PathBuf],
     interactive: bool,
     terminal_size: Option<(u16, u16)>,
 ) -> Vec<u8> {
@@ -774,6 +799,10 @@ fn rig_conf(
     line("RIG_NSHARES", (rw.len() + 1).to_string().as_bytes());
     for (i, dir) in rw.iter().enumerate() {
         line(&format!("RIG_SHARE_{}", i + 1), dir.as_os_str().as_bytes());
+    }
+    line("RIG_NKEEP", keep.len().to_string().as_bytes());
+    for (i, dir) in keep.iter().enumerate() {
+        line(&format!("RIG_KEEP_{}", i + 1), dir.as_os_str().as_bytes());
     }
     line("RIG_INTERACTIVE", if interactive { b"1" } else { b"0" });
     let (rows, cols) = terminal_size
@@ -1264,6 +1293,19 @@ mod tests {
     #[test]
     fn qemu_option_commas_are_doubled() {
         assert_eq!(qemu_escape(Path::new("/a,b")), OsString::from("/a,,b"));
+    }
+
+    #[test]
+    fn keeps_only_dirs_under_tmp_and_run_that_l1_would_hide() {
+        let t = TempDir::new("keep");
+        let inner = t.0.join("inner");
+        fs::create_dir_all(&inner).unwrap();
+        let kept = kept_dirs(&[inner.clone(), t.0.clone(), PathBuf::from("/usr")]);
+        // The temp dir is under /tmp (unless TMPDIR says otherwise); its inner dir comes along.
+        if t.0.canonicalize().unwrap().starts_with("/tmp") {
+            assert_eq!(kept, vec![t.0.canonicalize().unwrap()]);
+        }
+        assert!(kept_dirs(&[PathBuf::from("/tmp"), PathBuf::from("/usr")]).is_empty());
     }
 
     /// Boots L1 for real (about 2 s): `cargo test -p mayfly-tests -- --ignored`.
