@@ -1,4 +1,23 @@
-//! mayfly's snapshot format: a directory with a state file (header with magic, format version,
-//! architecture and host fingerprint; the VM's and devices' state; a checksum) and a memory
-//! file. Filled in with the snapshot/restore work; devices define their own saved state next
-//! to themselves and this crate ties them together.
+//! mayfly's snapshot format.
+//!
+//! A snapshot is a directory with two files:
+//! - `state`: a header (magic, format version, architecture, the fingerprint of the host CPU
+//!   and KVM features the state depends on), then the VM's state ([`VmState`]: vCPUs, in-kernel
+//!   interrupt controllers and timer, KVM clock, devices, memory layout), then a checksum of
+//!   everything before it ([`file`]).
+//! - `memory`: guest RAM, byte for byte at the offsets the memory layout gives, written
+//!   sparse (pages of zeros are holes).
+//!
+//! Devices define their saved state next to themselves (`mayfly_devices`); this crate ties the
+//! pieces together and reads and writes the state file.
+
+pub mod file;
+pub mod state;
+
+pub use file::{read_state_file, write_state_file, Header, SnapshotError, FORMAT_VERSION};
+pub use state::{HostFingerprint, KvmVmState, MemoryRange, VcpuState, VmState};
+
+/// The state file's name inside a snapshot directory.
+pub const STATE_FILE: &str = "state";
+/// The memory file's name inside a snapshot directory.
+pub const MEMORY_FILE: &str = "memory";

@@ -41,6 +41,62 @@ pub fn mayfly_bin() -> PathBuf {
         })
 }
 
+/// Run a mayfly command to its end (a client command such as `pause`, or a restore that must
+/// fail), with a bound on how long it may take.
+pub fn mayfly_output(args: &[&str], timeout: Duration) -> std::process::Output {
+    let mut child = Command::new(mayfly_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mayfly starts");
+    let deadline = Instant::now() + timeout;
+    while child.try_wait().expect("wait for mayfly").is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "mayfly {args:?} did not finish within {timeout:?}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("collect mayfly's output")
+}
+
+/// A directory for one test, removed when dropped.
+pub struct TestDir(pub PathBuf);
+
+impl TestDir {
+    pub fn new(name: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("mayfly-test-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).expect("create the test directory");
+        TestDir(path)
+    }
+
+    pub fn join(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    /// A path as a &str, for command lines.
+    pub fn arg(&self, name: &str) -> String {
+        self.join(name).to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for TestDir {
+    /// Removed unless `MAYFLY_TEST_KEEP` is set (to look at a failed test's snapshots).
+    fn drop(&mut self) {
+        if std::env::var_os("MAYFLY_TEST_KEEP").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
 /// The project's artifact cache (`MAYFLY_CACHE`, default ~/.cache/mayfly).
 pub fn cache_dir() -> PathBuf {
     std::env::var_os("MAYFLY_CACHE")
@@ -220,6 +276,14 @@ impl Guest {
             .write_all(text.as_bytes())
             .expect("write to the console");
         stdin.flush().expect("flush the console");
+    }
+
+    /// Type raw text into the console unless the VMM has gone already (false then).
+    pub fn try_send(&mut self, text: &str) -> bool {
+        let Some(stdin) = self.stdin.as_mut() else {
+            return false;
+        };
+        stdin.write_all(text.as_bytes()).is_ok() && stdin.flush().is_ok()
     }
 
     /// Run a shell command in the guest and return its output (stdout and stderr, trimmed).

@@ -4,13 +4,13 @@
 //! kernel is loaded while no vCPU exists yet.
 
 use std::sync::mpsc::channel;
-use std::sync::Arc;
 
 use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::arch::cpuid::{set_vcpu_identity, CpuTemplate};
+use crate::arch::kvm_state::KvmCaps;
 use crate::arch::layout::e820_map;
 use crate::arch::regs::{self, EntryMode};
 use crate::arch::{acpi, mptable};
@@ -19,8 +19,7 @@ use crate::console::{self, Console};
 use crate::devices::{create_devices, DeviceError};
 use crate::kernel::{self, BootInfo, KernelError};
 use crate::memory::{GuestRam, MemoryError};
-use crate::vcpu::{self, Target, VcpuContext, VcpuHandle};
-use crate::vm::{self, kvm_err, Vm, VmError};
+use crate::vm::{self, kvm_err, Vm, VmError, VmInfo};
 use crate::{trace, Error};
 
 /// Everything the boot path can fail on.
@@ -46,6 +45,10 @@ pub enum BootError {
     Acpi(#[from] acpi::AcpiError),
     #[error("cannot start a vCPU thread: {0}")]
     Thread(std::io::Error),
+    #[error(transparent)]
+    State(#[from] crate::arch::kvm_state::StateError),
+    #[error(transparent)]
+    Api(#[from] crate::api::ApiError),
 }
 
 impl From<BootError> for Error {
@@ -56,6 +59,7 @@ impl From<BootError> for Error {
 
 /// Boot the guest described by `config`; returns once every vCPU runs.
 pub fn boot(config: &RunConfig) -> Result<Vm, BootError> {
+    let started = std::time::Instant::now();
     let kvm = vm::open_kvm()?;
     let max_vcpus = kvm.get_max_vcpus();
     if usize::from(config.vcpus) > max_vcpus {
@@ -108,7 +112,7 @@ pub fn boot(config: &RunConfig) -> Result<Vm, BootError> {
     }
 
     let (event_sender, events) = channel();
-    let devices = create_devices(&vm_fd, console_out, &event_sender)?;
+    let devices = create_devices(&vm_fd, console_out, None, &event_sender)?;
     trace::event("devices_created");
 
     let vcpu_fds = create_vcpus(&kvm, &vm_fd, config, &ram, kernel.mode)?;
@@ -125,31 +129,35 @@ pub fn boot(config: &RunConfig) -> Result<Vm, BootError> {
     regs::setup_regs(&vcpu_fds[0], kernel.mode, first_rip)?;
     trace::event("vcpus_configured");
 
-    let context = Arc::new(VcpuContext {
-        pio: devices.pio.clone(),
-        events: event_sender.clone(),
-        trace: breakpoints,
-    });
-    vcpu::init_kick_signal().map_err(BootError::Thread)?;
-    let mut vcpus = Vec::with_capacity(vcpu_fds.len());
-    for (index, fd) in vcpu_fds.into_iter().enumerate() {
-        let handle = VcpuHandle::spawn(index as u8, fd, context.clone(), Target::Run)
-            .map_err(BootError::Thread)?;
-        vcpus.push(handle);
-    }
-    if config.console == Console::Stdio {
-        console::spawn_stdin_forwarder(devices.serial.clone()).map_err(BootError::Thread)?;
-    }
-
-    Ok(Vm {
+    let caps = KvmCaps::probe(&kvm)?;
+    let mut vm = Vm {
         kvm,
         fd: vm_fd,
         ram,
-        vcpus,
+        vcpus: Vec::new(),
         devices,
         events,
         event_sender,
-    })
+        caps,
+        info: VmInfo {
+            vcpu_count: config.vcpus,
+            cmdline: config.cmdline.clone(),
+            origin: "boot".into(),
+            started,
+        },
+        paused: false,
+        lazy: None,
+        api: None,
+    };
+    if let Some(path) = &config.api_sock {
+        vm.start_api(path)?;
+    }
+    vm.start_vcpus(vcpu_fds, breakpoints, false)
+        .map_err(BootError::Thread)?;
+    if config.console == Console::Stdio {
+        console::spawn_stdin_forwarder(vm.devices.serial.clone()).map_err(BootError::Thread)?;
+    }
+    Ok(vm)
 }
 
 /// Create and configure every vCPU (all but the boot registers of vCPU 0).

@@ -38,6 +38,8 @@ pub struct RunConfig {
     pub cpu_template: CpuTemplate,
     /// Print boot phase timestamps on stderr (see `trace`).
     pub boot_trace: bool,
+    /// Serve the control socket here.
+    pub api_sock: Option<std::path::PathBuf>,
 }
 
 impl RunConfig {

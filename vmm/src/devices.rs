@@ -7,8 +7,9 @@ use std::sync::{Arc, Mutex};
 use kvm_ioctls::VmFd;
 use mayfly_devices::bus::{BusError, PioBus};
 use mayfly_devices::legacy::i8042::{I8042_PORT, I8042_PORT_COUNT};
+use mayfly_devices::legacy::serial::SerialStateError;
 use mayfly_devices::legacy::serial::{ConsoleOut, COM1_IRQ, COM1_PORT, COM1_PORT_COUNT};
-use mayfly_devices::legacy::{SerialConsole, I8042};
+use mayfly_devices::legacy::{SerialConsole, SerialConsoleState, I8042};
 use mayfly_devices::power::{AcpiPower, ACPI_POWER_PORT, ACPI_POWER_PORT_COUNT};
 use mayfly_devices::PowerHandler;
 use vmm_sys_util::eventfd::EventFd;
@@ -23,6 +24,8 @@ pub enum DeviceError {
     Irqfd(kvm_ioctls::Error),
     #[error(transparent)]
     Bus(#[from] BusError),
+    #[error(transparent)]
+    SerialState(#[from] SerialStateError),
 }
 
 pub struct Devices {
@@ -39,15 +42,21 @@ fn power_handler(events: &Sender<VmEvent>) -> PowerHandler {
 }
 
 /// The legacy PC devices: COM1 on IRQ 4, the i8042 reset line, the ACPI power registers.
+/// With `serial_state`, the console carries on from a snapshot.
 pub fn create_devices(
     vm: &VmFd,
     console_out: ConsoleOut,
+    serial_state: Option<&SerialConsoleState>,
     events: &Sender<VmEvent>,
 ) -> Result<Devices, DeviceError> {
     let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(DeviceError::EventFd)?;
     vm.register_irqfd(&irq, COM1_IRQ)
         .map_err(DeviceError::Irqfd)?;
-    let serial = Arc::new(Mutex::new(SerialConsole::new(irq, console_out)));
+    let serial = match serial_state {
+        Some(state) => SerialConsole::from_state(state, irq, console_out)?,
+        None => SerialConsole::new(irq, console_out),
+    };
+    let serial = Arc::new(Mutex::new(serial));
 
     let mut pio = PioBus::new();
     pio.insert(COM1_PORT, COM1_PORT_COUNT, serial.clone())?;

@@ -2,19 +2,26 @@
 //!
 //! Where to start reading:
 //! - [`boot`]: the boot path, from a [`config::RunConfig`] to a running [`vm::Vm`].
+//! - [`snapshot`]: the snapshot path, from a paused VM to a directory on disk.
+//! - [`restore`]: the restore path, from a snapshot directory to a running VM.
+//! - [`api`]: the control socket, whose requests the VM's controller ([`vm::Vm::run`]) answers.
 //! - [`vcpu`]: the vCPU threads and how they are paused, stopped and kicked.
 //! - [`vm`]: the KVM VM itself and how a VM ends.
 
 #[cfg(not(target_arch = "x86_64"))]
 compile_error!("mayfly supports x86-64 hosts only");
 
+pub mod api;
 pub mod arch;
 pub mod boot;
 pub mod config;
 pub mod console;
 pub mod devices;
 pub mod kernel;
+pub mod lazy;
 pub mod memory;
+pub mod restore;
+pub mod snapshot;
 pub mod trace;
 pub mod vcpu;
 pub mod vm;
@@ -34,6 +41,8 @@ pub mod default_guest {
 pub enum Error {
     #[error(transparent)]
     Boot(boot::BootError),
+    #[error(transparent)]
+    Restore(restore::RestoreError),
     #[error(transparent)]
     Config(#[from] config::ConfigError),
     #[error(transparent)]

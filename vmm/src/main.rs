@@ -1,6 +1,6 @@
 //! The `mayfly` command line.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::mpsc::Sender;
 
@@ -8,17 +8,19 @@ use clap::{Args, Parser, Subcommand};
 use mayfly_vmm::config::{self, RunConfig, DEFAULT_CMDLINE, DEFAULT_MEM_MIB};
 use mayfly_vmm::console::{Console, RawTerminal};
 use mayfly_vmm::kernel::Image;
-use mayfly_vmm::vm::{VmEvent, VmExit};
-use mayfly_vmm::{boot, default_guest, trace, Error};
+use mayfly_vmm::restore::{self, MemoryMode, RestoreConfig};
+use mayfly_vmm::vm::{Vm, VmEvent, VmExit};
+use mayfly_vmm::{api, boot, default_guest, trace, Error};
 
 #[derive(Parser)]
 #[command(
     name = "mayfly",
     version,
     about = "A KVM virtual machine monitor for microVMs that boot, snapshot, restore and fork fast.",
-    after_help = "Exit status of `mayfly run`: 0 the guest powered off; 133 the guest rebooted \
-                  (mayfly does not restart it); 128+N stopped by signal N; 1 an error (the \
-                  message says what to do); 2 bad command-line usage."
+    after_help = "Exit status of `mayfly run` and `mayfly restore`: 0 the guest powered off (or \
+                  the VM was shut down through its socket); 133 the guest rebooted (mayfly does \
+                  not restart it); 128+N stopped by signal N; 1 an error (the message says what \
+                  to do); 2 bad command-line usage."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -33,6 +35,68 @@ enum Command {
     /// kernel and a busybox initramfs that prints "mayfly-guest: ready" and opens a shell.
     /// Type `poweroff` in the guest to end it.
     Run(RunArgs),
+    /// Restore a snapshot into a new VM, in this process.
+    ///
+    /// The guest carries on where it was when the snapshot was taken: its processes, its files
+    /// in RAM, its console. The wall clock moves on by the time the snapshot spent on disk.
+    Restore(RestoreArgs),
+    /// Pause a running VM (its vCPUs stop; memory and devices stay).
+    Pause(SockArgs),
+    /// Resume a paused VM.
+    Resume(SockArgs),
+    /// Show a VM's state and configuration (JSON).
+    Status(SockArgs),
+    /// Snapshot a VM into a directory (pausing it for the time it takes, unless it was paused).
+    Snapshot(SnapshotArgs),
+    /// Stop a VM (the VMM exits with status 0).
+    Shutdown(SockArgs),
+}
+
+#[derive(Args)]
+struct SockArgs {
+    /// The VM's control socket (its --api-sock).
+    #[arg(long, value_name = "PATH")]
+    sock: PathBuf,
+}
+
+#[derive(Args)]
+struct SnapshotArgs {
+    #[command(flatten)]
+    sock: SockArgs,
+    /// Directory to write the snapshot to (created, or replaced if it holds an older snapshot).
+    #[arg(value_name = "DIR")]
+    dir: PathBuf,
+    /// Leave the VM paused afterwards.
+    #[arg(long)]
+    keep_paused: bool,
+}
+
+#[derive(Args)]
+struct RestoreArgs {
+    /// The snapshot directory.
+    #[arg(value_name = "DIR")]
+    dir: PathBuf,
+    /// How guest memory comes back: `cow` maps the memory file copy-on-write (instant; restores
+    /// of one snapshot share memory); `lazy` loads pages as the guest touches them
+    /// (userfaultfd), prefetching the pages the snapshot recorded as used first; `eager` reads
+    /// everything before the guest runs.
+    #[arg(long, value_name = "cow|lazy|eager", default_value = "cow")]
+    memory: MemoryMode,
+    /// With --memory lazy: do not prefetch the recorded working set.
+    #[arg(long)]
+    no_prefetch: bool,
+    /// Serve the control socket (HTTP/1.1 + JSON) at this path.
+    #[arg(long, value_name = "PATH")]
+    api_sock: Option<PathBuf>,
+    /// Serial console: `stdio` or a file to write it to.
+    #[arg(long, value_name = "stdio|FILE", default_value = "stdio")]
+    console: Console,
+    /// Restore with the vCPUs paused (resume with `mayfly resume`).
+    #[arg(long)]
+    paused: bool,
+    /// Print restore phase timestamps on stderr (for benchmarks).
+    #[arg(long, hide = true)]
+    trace: bool,
 }
 
 #[derive(Args)]
@@ -59,6 +123,9 @@ struct RunArgs {
     /// CPU template (JSON list of CPUID masks) instead of the built-in default.
     #[arg(long, value_name = "FILE")]
     cpu_template: Option<PathBuf>,
+    /// Serve the control socket (HTTP/1.1 + JSON) at this path: pause, resume, snapshot.
+    #[arg(long, value_name = "PATH")]
+    api_sock: Option<PathBuf>,
     /// Print boot phase timestamps on stderr (for benchmarks).
     #[arg(long, hide = true)]
     boot_trace: bool,
@@ -100,6 +167,7 @@ impl RunArgs {
             console: self.console,
             cpu_template: boot::cpu_template(self.cpu_template.as_deref())?,
             boot_trace: self.boot_trace,
+            api_sock: self.api_sock,
         })
     }
 }
@@ -108,6 +176,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Run(args) => run(args),
+        Command::Restore(args) => restore(args),
+        Command::Pause(args) => client(&args.sock, "PUT", "/vm/pause", None),
+        Command::Resume(args) => client(&args.sock, "PUT", "/vm/resume", None),
+        Command::Status(args) => client(&args.sock, "GET", "/vm", None),
+        Command::Shutdown(args) => client(&args.sock, "PUT", "/vm/shutdown", None),
+        Command::Snapshot(args) => snapshot(args),
     }
 }
 
@@ -125,15 +199,42 @@ fn run(args: RunArgs) -> ExitCode {
         Ok(config) => config,
         Err(err) => return fail(err),
     };
+    let console = config.console.clone();
+    serve(&console, || boot::boot(&config).map_err(Error::Boot))
+}
+
+fn restore(args: RestoreArgs) -> ExitCode {
+    if args.trace {
+        trace::enable();
+        trace::event("main");
+    }
+    let memory = match (args.memory, args.no_prefetch) {
+        (MemoryMode::Lazy { .. }, true) => MemoryMode::Lazy { prefetch: false },
+        (mode, _) => mode,
+    };
+    let config = RestoreConfig {
+        dir: args.dir,
+        memory,
+        console: args.console,
+        api_sock: args.api_sock,
+        paused: args.paused,
+    };
+    serve(&config.console, || {
+        restore::restore(&config).map_err(Error::Restore)
+    })
+}
+
+/// Start a VM with `start` and run it until it ends; the process exit status says how.
+fn serve(console: &Console, start: impl FnOnce() -> Result<Vm, Error>) -> ExitCode {
     // Block the stop signals before any thread starts, so only the signal thread takes them.
     let signals = match StopSignals::block() {
         Ok(signals) => signals,
         Err(err) => return fail(Error::Signals(err)),
     };
-    let raw_terminal = (config.console == Console::Stdio)
+    let raw_terminal = (*console == Console::Stdio)
         .then(RawTerminal::stdin)
         .flatten();
-    let vm = match boot::boot(&config) {
+    let vm = match start() {
         Ok(vm) => vm,
         Err(err) => {
             drop(raw_terminal);
@@ -145,10 +246,10 @@ fn run(args: RunArgs) -> ExitCode {
         drop(raw_terminal);
         return fail(Error::Signals(err));
     }
-    let exit = vm.wait_for_exit();
+    let exit = vm.run();
     drop(raw_terminal);
     match &exit {
-        VmExit::PowerOff => {}
+        VmExit::PowerOff | VmExit::Shutdown => {}
         VmExit::Reset => eprintln!(
             "mayfly: the guest rebooted; mayfly does not restart it (exit status {})",
             VmExit::RESET_STATUS
@@ -159,8 +260,70 @@ fn run(args: RunArgs) -> ExitCode {
             reason,
             registers,
         } => eprintln!("mayfly: vCPU {index} stopped the VM: {reason}\n{registers}"),
+        VmExit::Failed(reason) => eprintln!("mayfly: the VM stopped: {reason}"),
     }
-    ExitCode::from(exit.status())
+    let status = exit.status();
+    // A vCPU left stuck in the kernel must not keep the process alive.
+    std::process::exit(i32::from(status))
+}
+
+/// One request to a VM's control socket; prints the answer.
+fn client(sock: &Path, method: &str, path: &str, body: Option<serde_json::Value>) -> ExitCode {
+    match api::request(sock, method, path, body.as_ref()) {
+        Ok((status, answer)) if (200..300).contains(&status) => {
+            if !answer.is_null() {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&answer).unwrap_or_default()
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Ok((status, answer)) => {
+            let message = answer
+                .get("error")
+                .and_then(|e| e.as_str())
+                .map(str::to_string)
+                .unwrap_or_else(|| answer.to_string());
+            fail(format!("{message} (HTTP {status})"))
+        }
+        Err(err) => fail(err),
+    }
+}
+
+/// Pause if needed, snapshot, and resume if it was running (unless asked not to).
+fn snapshot(args: SnapshotArgs) -> ExitCode {
+    let sock = &args.sock.sock;
+    let state = match api::request(sock, "GET", "/vm", None) {
+        Ok((200, vm)) => vm
+            .get("state")
+            .and_then(|s| s.as_str())
+            .unwrap_or("")
+            .to_string(),
+        Ok((status, answer)) => return fail(format!("the VM answered HTTP {status}: {answer}")),
+        Err(err) => return fail(err),
+    };
+    let was_running = state == "running";
+    if was_running {
+        let code = client(sock, "PUT", "/vm/pause", None);
+        if code != ExitCode::SUCCESS {
+            return code;
+        }
+    }
+    let dir = std::path::absolute(&args.dir).unwrap_or(args.dir.clone());
+    let code = client(
+        sock,
+        "PUT",
+        "/vm/snapshot",
+        Some(serde_json::json!({ "path": dir })),
+    );
+    if was_running && !args.keep_paused {
+        let resumed = client(sock, "PUT", "/vm/resume", None);
+        if code == ExitCode::SUCCESS {
+            return resumed;
+        }
+    }
+    code
 }
 
 /// SIGTERM, SIGINT and SIGHUP end the VM cleanly: blocked everywhere, taken by one thread.

@@ -197,21 +197,30 @@ impl VcpuHandle {
     }
 
     pub fn join(&mut self) {
-        if let Some(thread) = self.thread.take() {
-            // Kick until the thread is out of KVM_RUN and has seen the request.
-            while !self.control.lock().exited {
-                let _ = thread.kill(kick_signal());
-                let state = self.control.lock();
-                if state.exited {
-                    break;
-                }
-                let _ = self
-                    .control
-                    .changed
-                    .wait_timeout(state, std::time::Duration::from_millis(5));
+        self.join_until(std::time::Instant::now() + std::time::Duration::from_secs(3600));
+    }
+
+    /// Wait for the thread to end, kicking it out of KVM_RUN, but not past `deadline`: a vCPU
+    /// stuck in the kernel (e.g. on guest memory nobody can serve) is left behind.
+    pub fn join_until(&mut self, deadline: std::time::Instant) {
+        let Some(thread) = self.thread.take() else {
+            return;
+        };
+        loop {
+            let state = self.control.lock();
+            if state.exited {
+                break;
             }
-            let _ = thread.join();
+            if std::time::Instant::now() >= deadline {
+                return;
+            }
+            let _ = thread.kill(kick_signal());
+            let _ = self
+                .control
+                .changed
+                .wait_timeout(state, std::time::Duration::from_millis(5));
         }
+        let _ = thread.join();
     }
 }
 
@@ -237,8 +246,12 @@ fn obey_control(vcpu: &mut VcpuFd, control: &VcpuControl) -> bool {
             Target::Exit => return false,
             Target::Pause => {
                 if !state.paused {
+                    drop(state);
+                    complete_pending_io(vcpu);
+                    state = control.lock();
                     state.paused = true;
                     control.changed.notify_all();
+                    continue;
                 }
                 if let Some(job) = state.jobs.pop_front() {
                     drop(state);
@@ -253,6 +266,17 @@ fn obey_control(vcpu: &mut VcpuFd, control: &VcpuControl) -> bool {
             }
         }
     }
+}
+
+/// KVM finishes an I/O exit (an `in` gets its data, a string `out` moves on) only when
+/// KVM_RUN is entered again, and that progress is not in any state a snapshot can read. Enter
+/// it with `immediate_exit` set: KVM completes the exit and returns at once, running no guest
+/// instruction. Done before every pause, so a paused vCPU's state is complete.
+fn complete_pending_io(vcpu: &mut VcpuFd) {
+    vcpu.set_kvm_immediate_exit(1);
+    // EINTR is the expected answer; a real exit here would need nothing completed either.
+    let _ = vcpu.run();
+    vcpu.set_kvm_immediate_exit(0);
 }
 
 fn vcpu_loop(index: u8, mut vcpu: VcpuFd, context: &VcpuContext, control: &VcpuControl) {
@@ -290,7 +314,12 @@ fn vcpu_loop(index: u8, mut vcpu: VcpuFd, context: &VcpuContext, control: &VcpuC
             Ok(VcpuExit::MmioRead(_, data)) => data.fill(0xff),
             Ok(VcpuExit::MmioWrite(..)) => {}
             Ok(VcpuExit::Shutdown) => {
-                // A triple fault: how a PC resets when nothing else did.
+                // A triple fault: how a PC resets when nothing else did (Linux's last resort
+                // with reboot=t), or a guest crashing hard. Say which state led there.
+                eprintln!(
+                    "mayfly: vCPU {index}: triple fault, the guest resets\n{}",
+                    dump_registers(&vcpu)
+                );
                 break Some(VmEvent::Power(PowerRequest::Reset));
             }
             Ok(VcpuExit::SystemEvent(kind, _)) => match kind {

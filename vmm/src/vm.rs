@@ -9,7 +9,10 @@ use kvm_ioctls::{Cap, Kvm, VmFd};
 use mayfly_devices::PowerRequest;
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
+use crate::api::{Action, ApiCall, ApiServer, Reply};
+use crate::arch::kvm_state::KvmCaps;
 use crate::arch::layout::{KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
+use crate::lazy::LazyMemory;
 use crate::memory::GuestRam;
 use crate::vcpu::VcpuHandle;
 
@@ -33,6 +36,8 @@ pub enum VmError {
     },
     #[error("KVM on this host lacks {0}, which mayfly needs")]
     MissingCapability(&'static str),
+    #[error("vCPU {0} is gone (it stopped the VM)")]
+    VcpuGone(u8),
     #[error("KVM refused to {what}: {source}")]
     Kvm {
         what: &'static str,
@@ -126,7 +131,7 @@ pub fn register_memory(vm: &VmFd, ram: &GuestRam) -> Result<(), VmError> {
     Ok(())
 }
 
-/// Something that ends (or will end) the VM, reported to the thread that waits on it.
+/// Something the VM's controller must act on: the VM ending, or a request.
 #[derive(Debug)]
 pub enum VmEvent {
     Power(PowerRequest),
@@ -136,6 +141,10 @@ pub enum VmEvent {
         registers: String,
     },
     Signal(i32),
+    /// Guest memory cannot be served any more (a lazy restore's memory file failed).
+    MemoryFailed(String),
+    /// A request from the control socket.
+    Api(ApiCall),
 }
 
 /// How a VM ended, and the process exit status that says so.
@@ -143,6 +152,8 @@ pub enum VmEvent {
 pub enum VmExit {
     /// The guest powered off: status 0.
     PowerOff,
+    /// Shut down through the control socket: status 0.
+    Shutdown,
     /// The guest rebooted (mayfly does not restart it): status 133, as systemd-nspawn does.
     Reset,
     /// A signal asked the VMM to stop: 128 + the signal.
@@ -153,6 +164,8 @@ pub enum VmExit {
         reason: String,
         registers: String,
     },
+    /// The VMM could not keep the VM running (e.g. its memory file failed): status 1.
+    Failed(String),
 }
 
 impl VmExit {
@@ -160,62 +173,208 @@ impl VmExit {
 
     pub fn status(&self) -> u8 {
         match self {
-            VmExit::PowerOff => 0,
+            VmExit::PowerOff | VmExit::Shutdown => 0,
             VmExit::Reset => Self::RESET_STATUS,
             VmExit::Signal(sig) => 128u8.saturating_add(*sig as u8),
-            VmExit::Crashed { .. } => 1,
+            VmExit::Crashed { .. } | VmExit::Failed(_) => 1,
         }
     }
 }
 
-impl From<VmEvent> for VmExit {
-    fn from(event: VmEvent) -> Self {
-        match event {
-            VmEvent::Power(PowerRequest::PowerOff) => VmExit::PowerOff,
-            VmEvent::Power(PowerRequest::Reset) => VmExit::Reset,
-            VmEvent::Signal(sig) => VmExit::Signal(sig),
-            VmEvent::VcpuFailed {
-                index,
-                reason,
-                registers,
-            } => VmExit::Crashed {
-                index,
-                reason,
-                registers,
-            },
-        }
-    }
+/// Facts about the VM for `GET /vm`.
+#[derive(Clone, Debug)]
+pub struct VmInfo {
+    pub vcpu_count: u8,
+    pub cmdline: String,
+    /// "boot", or the snapshot it was restored from.
+    pub origin: String,
+    pub started: std::time::Instant,
 }
 
-/// A running VM: what must stay alive while it runs, and its event channel.
+/// A running VM: what must stay alive while it runs, and its controller's event channel.
+/// Fields drop in order: the control socket and vCPU threads stop first, then the lazy memory
+/// handler, and guest memory is unmapped only after everything that uses it is gone.
 pub struct Vm {
-    pub kvm: Kvm,
+    /// The control socket, when the VM has one.
+    pub api: Option<ApiServer>,
+    pub vcpus: Vec<VcpuHandle>,
+    /// The userfaultfd handler of a lazily restored VM.
+    pub lazy: Option<LazyMemory>,
+    pub devices: crate::devices::Devices,
     pub fd: VmFd,
     pub ram: GuestRam,
-    pub vcpus: Vec<VcpuHandle>,
-    pub devices: crate::devices::Devices,
+    pub kvm: Kvm,
     pub events: Receiver<VmEvent>,
     pub event_sender: Sender<VmEvent>,
+    pub caps: KvmCaps,
+    pub info: VmInfo,
+    pub paused: bool,
 }
 
 impl Vm {
-    /// Block until something ends the VM, then stop every vCPU.
-    pub fn wait_for_exit(mut self) -> VmExit {
-        let exit = match self.events.recv() {
-            Ok(event) => VmExit::from(event),
-            // Every sender gone: cannot happen while `self` holds one.
-            Err(_) => VmExit::PowerOff,
+    /// Serve requests until something ends the VM, then stop every vCPU.
+    pub fn run(mut self) -> VmExit {
+        let exit = loop {
+            let event = match self.events.recv() {
+                Ok(event) => event,
+                // Every sender gone: cannot happen while `self` holds one.
+                Err(_) => break VmExit::PowerOff,
+            };
+            match event {
+                VmEvent::Api(call) => {
+                    let (reply, exit) = self.handle(call.action);
+                    let _ = call.reply.send(reply);
+                    if let Some(exit) = exit {
+                        break exit;
+                    }
+                }
+                VmEvent::Power(PowerRequest::PowerOff) => break VmExit::PowerOff,
+                VmEvent::Power(PowerRequest::Reset) => break VmExit::Reset,
+                VmEvent::Signal(sig) => break VmExit::Signal(sig),
+                VmEvent::MemoryFailed(reason) => break VmExit::Failed(reason),
+                VmEvent::VcpuFailed {
+                    index,
+                    reason,
+                    registers,
+                } => {
+                    break VmExit::Crashed {
+                        index,
+                        reason,
+                        registers,
+                    }
+                }
+            }
         };
+        // Stop accepting requests before the VM goes away.
+        self.api = None;
         self.stop_vcpus();
         exit
+    }
+
+    /// Answer one control socket request; the second value ends the VM.
+    fn handle(&mut self, action: Action) -> (Reply, Option<VmExit>) {
+        match action {
+            Action::Describe => (Reply::ok(self.describe()), None),
+            Action::Pause if self.paused => (Reply::error(409, "the VM is already paused"), None),
+            Action::Pause => match self.pause() {
+                Ok(()) => (Reply::no_content(), None),
+                Err(e) => (Reply::error(500, e.to_string()), None),
+            },
+            Action::Resume if !self.paused => (Reply::error(409, "the VM is not paused"), None),
+            Action::Resume => {
+                self.resume();
+                (Reply::no_content(), None)
+            }
+            Action::Snapshot { .. } if !self.paused => (
+                Reply::error(
+                    409,
+                    "the VM must be paused to be snapshotted: PUT /vm/pause first",
+                ),
+                None,
+            ),
+            Action::Snapshot { path } => match crate::snapshot::create(self, &path) {
+                Ok(report) => (
+                    Reply::ok(serde_json::to_value(report).unwrap_or_default()),
+                    None,
+                ),
+                Err(e) => (Reply::error(500, e.to_string()), None),
+            },
+            Action::Fork { .. } => (
+                Reply::error(501, "fork is not supported by this mayfly yet"),
+                None,
+            ),
+            Action::Shutdown => (Reply::no_content(), Some(VmExit::Shutdown)),
+        }
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        serde_json::json!({
+            "state": if self.paused { "paused" } else { "running" },
+            "origin": self.info.origin,
+            "memory_mode": self.ram.kind.name(),
+            "vcpus": self.info.vcpu_count,
+            "mem_mib": self.ram.size() >> 20,
+            "cmdline": self.info.cmdline,
+            "uptime_ms": self.info.started.elapsed().as_millis() as u64,
+            "pid": std::process::id(),
+        })
+    }
+
+    /// Stop every vCPU outside KVM_RUN. Also tells each guest its clock was stopped, so a long
+    /// pause does not set off its soft-lockup watchdog once it runs again.
+    pub fn pause(&mut self) -> Result<(), VmError> {
+        for vcpu in &self.vcpus {
+            vcpu.request_pause();
+        }
+        for vcpu in &self.vcpus {
+            if !vcpu.wait_paused() {
+                return Err(VmError::VcpuGone(vcpu.index));
+            }
+        }
+        if self.caps.has_kvmclock_ctrl {
+            for vcpu in &self.vcpus {
+                // EINVAL only means the guest does not use kvmclock.
+                vcpu.run_job(|fd| {
+                    let _ = fd.kvmclock_ctrl();
+                });
+            }
+        }
+        self.paused = true;
+        Ok(())
+    }
+
+    /// Start one thread per vCPU, running or paused.
+    pub fn start_vcpus(
+        &mut self,
+        fds: Vec<kvm_ioctls::VcpuFd>,
+        trace: Option<crate::trace::Breakpoints>,
+        paused: bool,
+    ) -> std::io::Result<()> {
+        let context = std::sync::Arc::new(crate::vcpu::VcpuContext {
+            pio: self.devices.pio.clone(),
+            events: self.event_sender.clone(),
+            trace,
+        });
+        crate::vcpu::init_kick_signal()?;
+        let target = if paused {
+            crate::vcpu::Target::Pause
+        } else {
+            crate::vcpu::Target::Run
+        };
+        for (index, fd) in fds.into_iter().enumerate() {
+            let handle = VcpuHandle::spawn(index as u8, fd, context.clone(), target)?;
+            self.vcpus.push(handle);
+        }
+        self.paused = paused;
+        Ok(())
+    }
+
+    /// Serve the control socket at `path`.
+    pub fn start_api(&mut self, path: &std::path::Path) -> Result<(), crate::api::ApiError> {
+        self.api = Some(ApiServer::start(
+            path,
+            self.event_sender.clone(),
+            VmEvent::Api,
+        )?);
+        Ok(())
+    }
+
+    pub fn resume(&mut self) {
+        for vcpu in &self.vcpus {
+            vcpu.resume();
+        }
+        self.paused = false;
     }
 
     pub fn stop_vcpus(&mut self) {
         for vcpu in &self.vcpus {
             vcpu.request_exit();
         }
+        // A vCPU blocked on guest memory that can no longer be served may never come out:
+        // give up on it after a while (the process is about to end).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
         for vcpu in &mut self.vcpus {
-            vcpu.join();
+            vcpu.join_until(deadline);
         }
     }
 }
@@ -229,9 +388,7 @@ mod tests {
         assert_eq!(VmExit::PowerOff.status(), 0);
         assert_eq!(VmExit::Reset.status(), 133);
         assert_eq!(VmExit::Signal(libc::SIGTERM).status(), 143);
-        assert_eq!(
-            VmExit::from(VmEvent::Power(PowerRequest::Reset)),
-            VmExit::Reset
-        );
+        assert_eq!(VmExit::Shutdown.status(), 0);
+        assert_eq!(VmExit::Failed("x".into()).status(), 1);
     }
 }

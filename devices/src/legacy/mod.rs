@@ -4,4 +4,4 @@ pub mod i8042;
 pub mod serial;
 
 pub use i8042::I8042;
-pub use serial::SerialConsole;
+pub use serial::{SerialConsole, SerialConsoleState};

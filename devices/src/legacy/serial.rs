@@ -2,7 +2,8 @@
 
 use std::io::{self, Write};
 
-use vm_superio::serial::NoEvents;
+use serde::{Deserialize, Serialize};
+use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -34,11 +35,73 @@ pub struct SerialConsole {
     output_failed: bool,
 }
 
+/// The UART's registers and unread input, as a snapshot keeps them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SerialConsoleState {
+    pub baud_divisor_low: u8,
+    pub baud_divisor_high: u8,
+    pub interrupt_enable: u8,
+    pub interrupt_identification: u8,
+    pub line_control: u8,
+    pub line_status: u8,
+    pub modem_control: u8,
+    pub modem_status: u8,
+    pub scratch: u8,
+    /// Bytes typed on the host that the guest has not read yet.
+    pub in_buffer: Vec<u8>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the saved serial console state is invalid: {0}")]
+pub struct SerialStateError(String);
+
 impl SerialConsole {
     pub fn new(irq: EventFd, out: ConsoleOut) -> Self {
         Self {
             uart: Serial::new(IrqEventFd(irq), out),
             output_failed: false,
+        }
+    }
+
+    /// A console in a saved state, writing to a new output.
+    pub fn from_state(
+        state: &SerialConsoleState,
+        irq: EventFd,
+        out: ConsoleOut,
+    ) -> Result<Self, SerialStateError> {
+        let uart_state = SerialState {
+            baud_divisor_low: state.baud_divisor_low,
+            baud_divisor_high: state.baud_divisor_high,
+            interrupt_enable: state.interrupt_enable,
+            interrupt_identification: state.interrupt_identification,
+            line_control: state.line_control,
+            line_status: state.line_status,
+            modem_control: state.modem_control,
+            modem_status: state.modem_status,
+            scratch: state.scratch,
+            in_buffer: state.in_buffer.clone(),
+        };
+        let uart = Serial::from_state(&uart_state, IrqEventFd(irq), NoEvents, out)
+            .map_err(|e| SerialStateError(format!("{e:?}")))?;
+        Ok(Self {
+            uart,
+            output_failed: false,
+        })
+    }
+
+    pub fn state(&self) -> SerialConsoleState {
+        let s = self.uart.state();
+        SerialConsoleState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
         }
     }
 
@@ -119,6 +182,25 @@ mod tests {
         assert_eq!(byte[0] & 1, 1);
         console.read(0, &mut byte);
         assert_eq!(byte[0], b'l');
+    }
+
+    #[test]
+    fn state_round_trips_with_pending_input() {
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut console = SerialConsole::new(irq, Box::new(io::sink()));
+        console.write(3, &[0x03]); // 8N1
+        console.write(1, &[0x01]);
+        console.queue_input(b"abc");
+        let state = console.state();
+        assert_eq!(state.in_buffer, b"abc");
+        assert_eq!(state.line_control, 0x03);
+
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut restored = SerialConsole::from_state(&state, irq, Box::new(io::sink())).unwrap();
+        assert_eq!(restored.state(), state);
+        let mut byte = [0u8];
+        restored.read(0, &mut byte);
+        assert_eq!(byte[0], b'a');
     }
 
     #[test]

@@ -4,6 +4,7 @@
 pub mod acpi;
 mod aml;
 pub mod cpuid;
+pub mod kvm_state;
 pub mod layout;
 pub mod mptable;
 pub mod regs;

@@ -1,0 +1,162 @@
+//! The control socket: a small HTTP/1.1 + JSON API on a Unix socket, which `curl
+//! --unix-socket` can talk to and [`request`] is the client of.
+//!
+//! | request             | body                                                  | action                |
+//! |---------------------|-------------------------------------------------------|-----------------------|
+//! | `GET /vm`           | none                                                  | [`Action::Describe`]  |
+//! | `PUT /vm/pause`     | none                                                  | [`Action::Pause`]     |
+//! | `PUT /vm/resume`    | none                                                  | [`Action::Resume`]    |
+//! | `PUT /vm/snapshot`  | `{"path": "/some/dir"}`                               | [`Action::Snapshot`]  |
+//! | `PUT /vm/fork`      | `{"count": N, "name_prefix": "s", "parent": "paused"}`| [`Action::Fork`]      |
+//! | `PUT /vm/shutdown`  | none                                                  | [`Action::Shutdown`]  |
+//!
+//! The server only parses and validates; the VM's controller decides. It receives one
+//! [`ApiCall`] per valid request through its own event channel and answers with a [`Reply`].
+//! Everything the server refuses gets a JSON body `{"error": "..."}` that says what to send
+//! instead: 400 malformed request or body, 404 unknown path, 405 wrong method (with `Allow`),
+//! 408 a client too slow to send its request, 411 chunked bodies, 413 a body over 64 KiB,
+//! 417 an `Expect` other than `100-continue`, 431 headers over 16 KiB, 505 an HTTP version
+//! other than 1.0 and 1.1; 503 the VM is going away, 504 it did not answer within 120 s, 500
+//! it answered with something that is not an HTTP status. Otherwise the VM's status and body
+//! go back as they are.
+//!
+//! One connection is served at a time and every response closes its connection (`Connection:
+//! close`); stalled clients are dropped after a timeout, so none can block the others for long,
+//! and nothing a client sends can stop the server or the VM.
+
+mod client;
+mod http;
+mod server;
+mod socket;
+
+use std::path::PathBuf;
+use std::sync::mpsc::Sender;
+
+pub use client::{request, request_with_timeout};
+pub use server::{ApiServer, Timeouts};
+pub use socket::MAX_SOCKET_PATH;
+
+/// What a client asks of the VM. The server parses and validates requests into these.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// GET /vm
+    Describe,
+    /// PUT /vm/pause
+    Pause,
+    /// PUT /vm/resume
+    Resume,
+    /// PUT /vm/snapshot  body {"path": "/some/dir"}  (path required, non-empty string)
+    Snapshot { path: PathBuf },
+    /// PUT /vm/fork  body {"count": N, "name_prefix": "optional string", "parent":
+    /// "running"|"paused" (optional, default "running")}. `count` is at most
+    /// [`MAX_FORK_COUNT`]; whether 0 makes sense is the VM's call.
+    Fork {
+        count: u32,
+        name_prefix: Option<String>,
+        parent_paused: bool,
+    },
+    /// PUT /vm/shutdown
+    Shutdown,
+}
+
+/// The largest `count` the server passes on in a fork request.
+pub const MAX_FORK_COUNT: u32 = 1_000_000;
+
+/// The VM's answer: an HTTP status and an optional JSON body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reply {
+    pub status: u16,
+    pub body: Option<serde_json::Value>,
+}
+
+impl Reply {
+    /// 200 with a body.
+    pub fn ok(body: serde_json::Value) -> Self {
+        Self {
+            status: 200,
+            body: Some(body),
+        }
+    }
+
+    /// 204: done, nothing to say.
+    pub fn no_content() -> Self {
+        Self {
+            status: 204,
+            body: None,
+        }
+    }
+
+    /// An error status with the body `{"error": message}`. Say what went wrong and what to do.
+    pub fn error(status: u16, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            body: Some(serde_json::json!({ "error": message.into() })),
+        }
+    }
+}
+
+/// One request handed to the VM's controller, which answers through `reply`.
+#[derive(Debug)]
+pub struct ApiCall {
+    pub action: Action,
+    pub reply: Sender<Reply>,
+}
+
+impl ApiCall {
+    /// Answer the call. A client that has gone away is not the controller's problem, so a
+    /// failed send is ignored.
+    pub fn respond(self, reply: Reply) {
+        let _ = self.reply.send(reply);
+    }
+}
+
+/// What can go wrong serving or using the control socket.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("the API socket path {path} is {len} bytes long, but a Unix socket path can have at most {MAX_SOCKET_PATH}: choose a shorter --api-sock path")]
+    PathTooLong { path: String, len: usize },
+    #[error(
+        "the API socket path {0:?} is not valid: it must be a non-empty path without NUL bytes"
+    )]
+    InvalidPath(String),
+    #[error("cannot create the API socket {path}: {dir} {problem}")]
+    Directory {
+        path: String,
+        dir: String,
+        problem: &'static str,
+    },
+    #[error("the API socket {path} is in use: another mayfly (or another program) listens on it; stop it or choose another --api-sock path")]
+    InUse { path: String },
+    #[error("{path} exists and is not a socket: remove it or choose another --api-sock path")]
+    NotASocket { path: String },
+    #[error("cannot create the API socket {path}: {source}")]
+    Bind {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("cannot start the API server thread: {0}")]
+    Thread(std::io::Error),
+    #[error("no mayfly listens on {path}: is the VM running with --api-sock {path}?")]
+    NotListening { path: String },
+    #[error("permission denied connecting to {path}: the API socket belongs to the user who started the VM; run as that user (or root)")]
+    PermissionDenied { path: String },
+    #[error("cannot connect to the mayfly API socket {path}: {source}")]
+    Connect {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("lost the connection to mayfly on {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("mayfly on {path} did not answer within {secs} s: the VM may be stuck; try again or stop it")]
+    Timeout { path: String, secs: u64 },
+    #[error("mayfly on {path} sent an invalid response: {reason}")]
+    InvalidResponse { path: String, reason: String },
+    #[error("invalid API request: {0}")]
+    InvalidRequest(String),
+}
+
+#[cfg(test)]
+mod tests;

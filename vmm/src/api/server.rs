@@ -1,0 +1,607 @@
+//! The server side: bind the socket, serve connections one at a time on a thread of its own,
+//! turn each valid request into an [`ApiCall`] for the VM's controller and write back its reply.
+
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde_json::{Map, Value};
+
+use super::http::{self, Refusal, Request};
+use super::socket::{self, MAX_SOCKET_PATH};
+use super::{Action, ApiCall, ApiError, Reply, MAX_FORK_COUNT};
+
+/// How long the server waits for the parts of a request and for the VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// How long a client may pause while it sends its request.
+    pub idle: Duration,
+    /// How long a client may take to send its whole request.
+    pub request: Duration,
+    /// How long the VM's controller may take to answer (then 504).
+    pub reply: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            idle: Duration::from_secs(5),
+            request: Duration::from_secs(10),
+            reply: Duration::from_secs(120),
+        }
+    }
+}
+
+/// How long binding waits to learn whether an existing socket is alive.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+/// How often a server waiting for the VM checks whether it is being stopped.
+const STOP_CHECK: Duration = Duration::from_millis(50);
+
+/// State the server thread shares with its [`ApiServer`].
+struct Shared {
+    stopping: AtomicBool,
+    /// The connection being served, so that stopping can cut it short.
+    current: Mutex<Option<UnixStream>>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A running server. Dropping it (or calling shutdown) stops accepting and removes the socket file.
+pub struct ApiServer {
+    path: PathBuf,
+    /// Device and inode of the socket file this server created: it never removes another's.
+    file_id: Option<(u64, u64)>,
+    shared: Arc<Shared>,
+    /// Closing this wakes the server thread, which then exits.
+    wake: Option<UnixStream>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for ApiServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiServer")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ApiServer {
+    /// Bind `path` and serve on a background thread, sending each valid request to `calls`
+    /// (wrapped by `wrap` so the caller can put it into its own event enum), then waiting for the reply.
+    pub fn start<E: Send + 'static>(
+        path: &Path,
+        events: Sender<E>,
+        wrap: fn(ApiCall) -> E,
+    ) -> Result<ApiServer, ApiError> {
+        Self::start_with(path, events, wrap, Timeouts::default())
+    }
+
+    /// [`ApiServer::start`] with other timeouts.
+    pub fn start_with<E: Send + 'static>(
+        path: &Path,
+        events: Sender<E>,
+        wrap: fn(ApiCall) -> E,
+        timeouts: Timeouts,
+    ) -> Result<ApiServer, ApiError> {
+        // Sockets refuse a zero timeout; a millisecond is the shortest that means anything.
+        let floor = Duration::from_millis(1);
+        let timeouts = Timeouts {
+            idle: timeouts.idle.max(floor),
+            request: timeouts.request.max(floor),
+            reply: timeouts.reply.max(floor),
+        };
+        let listener = bind(path)?;
+        let shared = Arc::new(Shared {
+            stopping: AtomicBool::new(false),
+            current: Mutex::new(None),
+        });
+        // From here on, dropping `server` removes the socket file, also on the errors below.
+        let mut server = ApiServer {
+            path: path.to_owned(),
+            file_id: std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino())),
+            shared: Arc::clone(&shared),
+            wake: None,
+            thread: None,
+        };
+        let (wake, woken) = UnixStream::pair().map_err(ApiError::Thread)?;
+        listener.set_nonblocking(true).map_err(ApiError::Thread)?;
+        let thread = std::thread::Builder::new()
+            .name("api".into())
+            .stack_size(crate::HELPER_THREAD_STACK)
+            .spawn(move || serve(listener, woken, &shared, &events, wrap, timeouts))
+            .map_err(ApiError::Thread)?;
+        server.wake = Some(wake);
+        server.thread = Some(thread);
+        Ok(server)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Stop serving (a request waiting for the VM gets 503) and remove the socket file.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        {
+            let mut current = lock(&self.shared.current);
+            self.shared.stopping.store(true, Ordering::SeqCst);
+            // Wakes a read from a slow client; the answer (503) can still be written.
+            if let Some(conn) = current.take() {
+                let _ = conn.shutdown(std::net::Shutdown::Read);
+            }
+        }
+        drop(self.wake.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        if let Some(id) = self.file_id.take() {
+            let ours = std::fs::symlink_metadata(&self.path)
+                .is_ok_and(|m| m.file_type().is_socket() && (m.dev(), m.ino()) == id);
+            if ours {
+                let _ = std::fs::remove_file(&self.path);
+            }
+        }
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Create the socket at `path`, replacing a stale socket file but never a live one.
+fn bind(path: &Path) -> Result<UnixListener, ApiError> {
+    use std::io::ErrorKind;
+    use std::os::unix::ffi::OsStrExt;
+
+    let shown = path.display().to_string();
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.is_empty() || bytes.contains(&0) {
+        return Err(ApiError::InvalidPath(shown));
+    }
+    if bytes.len() > MAX_SOCKET_PATH {
+        return Err(ApiError::PathTooLong {
+            path: shown,
+            len: bytes.len(),
+        });
+    }
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let dir_error = |problem| ApiError::Directory {
+        path: shown.clone(),
+        dir: dir.display().to_string(),
+        problem,
+    };
+    let bind_error = |source| ApiError::Bind {
+        path: shown.clone(),
+        source,
+    };
+    match std::fs::metadata(dir) {
+        Ok(meta) if meta.is_dir() => {}
+        Ok(_) => return Err(dir_error("is not a directory")),
+        Err(e) if e.kind() == ErrorKind::NotFound => return Err(dir_error("does not exist")),
+        Err(e) => return Err(bind_error(e)),
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => match socket::connect(path, PROBE_TIMEOUT) {
+            // Alive (a full backlog is alive too).
+            Ok(_) => return Err(ApiError::InUse { path: shown }),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                return Err(ApiError::InUse { path: shown })
+            }
+            // Left behind by a process that is gone.
+            Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
+                match std::fs::remove_file(path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == ErrorKind::NotFound => {}
+                    Err(e) => return Err(bind_error(e)),
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => return Err(bind_error(e)),
+        },
+        Ok(_) => return Err(ApiError::NotASocket { path: shown }),
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Err(e) => return Err(bind_error(e)),
+    }
+    let listener = socket::bind_private(path).map_err(|e| match e.raw_os_error() {
+        Some(libc::EADDRINUSE) => ApiError::InUse {
+            path: shown.clone(),
+        },
+        Some(libc::ENOENT) => dir_error("does not exist"),
+        _ => bind_error(e),
+    })?;
+    // Already 0600 on Linux; this covers a kernel where the socket's mode does not carry over.
+    if let Err(e) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
+        let _ = std::fs::remove_file(path);
+        return Err(bind_error(e));
+    }
+    Ok(listener)
+}
+
+/// The server thread: accept and serve connections until the [`ApiServer`] stops it.
+fn serve<E>(
+    listener: UnixListener,
+    woken: UnixStream,
+    shared: &Shared,
+    events: &Sender<E>,
+    wrap: fn(ApiCall) -> E,
+    timeouts: Timeouts,
+) {
+    let mut fds = [
+        libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: woken.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    loop {
+        // SAFETY: `fds` is an array of initialised pollfd structs that outlives the call, and
+        // its length is passed with it.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if shared.stopping.load(Ordering::SeqCst) || fds[1].revents != 0 {
+            return;
+        }
+        if ready < 0 {
+            if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            continue;
+        }
+        if fds[0].revents == 0 {
+            continue;
+        }
+        match listener.accept() {
+            Ok((stream, _)) => serve_connection(stream, shared, events, wrap, timeouts),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::Interrupted
+                        | std::io::ErrorKind::ConnectionAborted
+                ) => {}
+            // Out of file descriptors, most likely: let the moment pass instead of spinning.
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
+/// Read one request from `stream`, answer it, and close the connection.
+fn serve_connection<E>(
+    stream: UnixStream,
+    shared: &Shared,
+    events: &Sender<E>,
+    wrap: fn(ApiCall) -> E,
+    timeouts: Timeouts,
+) {
+    if stream.set_nonblocking(false).is_err()
+        || stream.set_write_timeout(Some(timeouts.idle)).is_err()
+    {
+        return;
+    }
+    {
+        let mut current = lock(&shared.current);
+        if shared.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        *current = stream.try_clone().ok();
+    }
+    let answer = match http::read_request(&stream, timeouts.idle, timeouts.request) {
+        Err(Refusal::Silent) => None,
+        // Stopping cut the read short.
+        Err(Refusal::Reply { .. }) if shared.stopping.load(Ordering::SeqCst) => {
+            Some((shutting_down(), None))
+        }
+        Err(Refusal::Reply { status, message }) => Some((Reply::error(status, message), None)),
+        Ok(request) => Some(match route(&request) {
+            Ok(action) => (ask(action, shared, events, wrap, timeouts.reply), None),
+            Err(Rejection { reply, allow }) => (reply, allow),
+        }),
+    };
+    if let Some((reply, allow)) = answer {
+        let headers: Vec<(&str, &str)> = allow
+            .map(|methods| ("Allow", methods))
+            .into_iter()
+            .collect();
+        let bytes = http::encode_response(reply.status, reply.body.as_ref(), &headers);
+        let _ = (&stream).write_all(&bytes);
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+    }
+    *lock(&shared.current) = None;
+}
+
+fn shutting_down() -> Reply {
+    Reply::error(503, "the VM is shutting down")
+}
+
+/// Hand `action` to the VM's controller and wait for its reply.
+fn ask<E>(
+    action: Action,
+    shared: &Shared,
+    events: &Sender<E>,
+    wrap: fn(ApiCall) -> E,
+    timeout: Duration,
+) -> Reply {
+    let (reply, replies) = mpsc::channel();
+    if events.send(wrap(ApiCall { action, reply })).is_err() {
+        return shutting_down();
+    }
+    let deadline = http::deadline(timeout);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Reply::error(
+                504,
+                format!(
+                    "the VM did not answer within {} s: it may be busy or stuck; try again",
+                    timeout.as_secs_f64()
+                ),
+            );
+        }
+        match replies.recv_timeout(left.min(STOP_CHECK)) {
+            Ok(reply) if (200..=599).contains(&reply.status) => return reply,
+            Ok(reply) => {
+                return Reply::error(
+                    500,
+                    format!(
+                        "the VM answered with the invalid HTTP status {}",
+                        reply.status
+                    ),
+                )
+            }
+            Err(RecvTimeoutError::Disconnected) => return shutting_down(),
+            Err(RecvTimeoutError::Timeout) => {
+                if shared.stopping.load(Ordering::SeqCst) {
+                    return shutting_down();
+                }
+            }
+        }
+    }
+}
+
+/// A request refused before it reaches the VM.
+struct Rejection {
+    reply: Reply,
+    /// The methods the path accepts, for a 405's `Allow` header.
+    allow: Option<&'static str>,
+}
+
+/// One endpoint: its method, its path and how its body becomes an [`Action`] (or a message
+/// saying what is wrong with it).
+struct Route {
+    method: &'static str,
+    path: &'static str,
+    parse: fn(&str, &[u8]) -> Result<Action, String>,
+}
+
+const ROUTES: &[Route] = &[
+    Route {
+        method: "GET",
+        path: "/vm",
+        parse: |endpoint, body| no_body(endpoint, body).map(|()| Action::Describe),
+    },
+    Route {
+        method: "PUT",
+        path: "/vm/pause",
+        parse: |endpoint, body| no_body(endpoint, body).map(|()| Action::Pause),
+    },
+    Route {
+        method: "PUT",
+        path: "/vm/resume",
+        parse: |endpoint, body| no_body(endpoint, body).map(|()| Action::Resume),
+    },
+    Route {
+        method: "PUT",
+        path: "/vm/snapshot",
+        parse: parse_snapshot,
+    },
+    Route {
+        method: "PUT",
+        path: "/vm/fork",
+        parse: parse_fork,
+    },
+    Route {
+        method: "PUT",
+        path: "/vm/shutdown",
+        parse: |endpoint, body| no_body(endpoint, body).map(|()| Action::Shutdown),
+    },
+];
+
+fn route_list() -> String {
+    ROUTES
+        .iter()
+        .map(|r| format!("{} {}", r.method, r.path))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Text from a client, cut short for an error message.
+fn clip(text: &str) -> String {
+    const MAX: usize = 100;
+    match text.char_indices().nth(MAX) {
+        Some((end, _)) => format!("{}...", &text[..end]),
+        None => text.to_owned(),
+    }
+}
+
+/// A JSON value from a client, cut short for an error message.
+fn clip_json(value: &Value) -> String {
+    clip(&value.to_string())
+}
+
+fn route(request: &Request) -> Result<Action, Rejection> {
+    let rejection = |status, message| Rejection {
+        reply: Reply::error(status, message),
+        allow: None,
+    };
+    let Some(route) = ROUTES.iter().find(|r| r.path == request.path) else {
+        return Err(rejection(
+            404,
+            format!(
+                "there is no {}: mayfly serves {}",
+                clip(&request.path),
+                route_list()
+            ),
+        ));
+    };
+    if request.method != route.method {
+        return Err(Rejection {
+            reply: Reply::error(
+                405,
+                format!(
+                    "{} {} is not supported: use {} {}",
+                    clip(&request.method),
+                    route.path,
+                    route.method,
+                    route.path
+                ),
+            ),
+            allow: Some(route.method),
+        });
+    }
+    let endpoint = format!("{} {}", route.method, route.path);
+    (route.parse)(&endpoint, &request.body).map_err(|message| rejection(400, message))
+}
+
+/// The body as a JSON object with only the given fields; an empty body is an empty object.
+fn json_object(
+    endpoint: &str,
+    body: &[u8],
+    fields: &[&str],
+    example: &str,
+) -> Result<Map<String, Value>, String> {
+    if body.trim_ascii().is_empty() {
+        return Ok(Map::new());
+    }
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        format!("the body of {endpoint} is not valid JSON ({e}): send e.g. {example}")
+    })?;
+    let Value::Object(object) = value else {
+        return Err(format!(
+            "the body of {endpoint} must be a JSON object, e.g. {example}"
+        ));
+    };
+    if let Some(unknown) = object.keys().find(|key| !fields.contains(&key.as_str())) {
+        let accepted = if fields.is_empty() {
+            "it takes no body (or {})".to_owned()
+        } else {
+            format!("it accepts {}", fields.join(", "))
+        };
+        return Err(format!(
+            "unknown field {:?} in the body of {endpoint}: {accepted}",
+            clip(unknown)
+        ));
+    }
+    Ok(object)
+}
+
+fn no_body(endpoint: &str, body: &[u8]) -> Result<(), String> {
+    json_object(endpoint, body, &[], "{}").map(drop)
+}
+
+/// What kind of JSON value a client sent, for an error message.
+fn kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn parse_snapshot(endpoint: &str, body: &[u8]) -> Result<Action, String> {
+    const EXAMPLE: &str = r#"{"path": "/some/dir"}"#;
+    let object = json_object(endpoint, body, &["path"], EXAMPLE)?;
+    match object.get("path") {
+        None | Some(Value::Null) => Err(format!(
+            "{endpoint} needs the field \"path\", the directory to write the snapshot to: \
+             send e.g. {EXAMPLE}"
+        )),
+        Some(Value::String(path)) if path.is_empty() => Err(format!(
+            "the field \"path\" of {endpoint} is empty: give the directory to write the \
+             snapshot to, e.g. {EXAMPLE}"
+        )),
+        Some(Value::String(path)) if path.contains('\0') => Err(format!(
+            "the field \"path\" of {endpoint} contains a NUL character"
+        )),
+        Some(Value::String(path)) => Ok(Action::Snapshot {
+            path: PathBuf::from(path),
+        }),
+        Some(other) => Err(format!(
+            "the field \"path\" of {endpoint} must be a string (a directory), not {}",
+            kind(other)
+        )),
+    }
+}
+
+fn parse_fork(endpoint: &str, body: &[u8]) -> Result<Action, String> {
+    const EXAMPLE: &str = r#"{"count": 2, "name_prefix": "web", "parent": "paused"}"#;
+    let object = json_object(endpoint, body, &["count", "name_prefix", "parent"], EXAMPLE)?;
+    let count = match object.get("count") {
+        None | Some(Value::Null) => {
+            return Err(format!(
+                "{endpoint} needs the field \"count\", the number of clones: send e.g. {EXAMPLE}"
+            ))
+        }
+        Some(value) => value
+            .as_u64()
+            .filter(|&n| n <= u64::from(MAX_FORK_COUNT))
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| {
+                format!(
+                    "the field \"count\" of {endpoint} must be an integer from 0 to \
+                     {MAX_FORK_COUNT}, not {}",
+                    clip_json(value)
+                )
+            })?,
+    };
+    let name_prefix = match object.get("name_prefix") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(prefix)) => Some(prefix.clone()),
+        Some(other) => {
+            return Err(format!(
+                "the field \"name_prefix\" of {endpoint} must be a string, not {}",
+                kind(other)
+            ))
+        }
+    };
+    let parent_paused = match object.get("parent") {
+        None | Some(Value::Null) => false,
+        Some(Value::String(parent)) if parent == "running" => false,
+        Some(Value::String(parent)) if parent == "paused" => true,
+        Some(other) => {
+            return Err(format!(
+                "the field \"parent\" of {endpoint} must be \"running\" or \"paused\" (what the \
+                 parent VM does after the fork), not {}",
+                clip_json(other)
+            ))
+        }
+    };
+    Ok(Action::Fork {
+        count,
+        name_prefix,
+        parent_paused,
+    })
+}

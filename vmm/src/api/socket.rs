@@ -1,0 +1,91 @@
+//! Unix socket plumbing std lacks: a listening socket whose file is mode 0600 from its first
+//! instant, and a connect that gives up instead of hanging when a listener's backlog is full.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::time::Duration;
+
+/// The longest socket path in bytes: `sun_path` holds 108 bytes, the last one a NUL.
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// Connections the kernel queues while the server is busy with another one.
+const BACKLOG: libc::c_int = 64;
+
+fn sockaddr(path: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
+    let bytes = path.as_os_str().as_bytes();
+    let mut addr = libc::sockaddr_un {
+        sun_family: libc::AF_UNIX as libc::sa_family_t,
+        sun_path: [0; 108],
+    };
+    if bytes.is_empty() || bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    for (dst, &src) in addr.sun_path.iter_mut().zip(bytes) {
+        *dst = src as libc::c_char;
+    }
+    let len = std::mem::offset_of!(libc::sockaddr_un, sun_path) + bytes.len() + 1;
+    Ok((addr, len as libc::socklen_t))
+}
+
+fn new_socket() -> io::Result<OwnedFd> {
+    // SAFETY: socket() takes no pointers; the descriptor it returns is checked below.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn check(rc: libc::c_int) -> io::Result<()> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Create a listening socket at `path` that only its owner can connect to.
+pub fn bind_private(path: &Path) -> io::Result<UnixListener> {
+    let (addr, len) = sockaddr(path)?;
+    let fd = new_socket()?;
+    // Linux gives the socket file the mode of the socket's own inode (less the umask), so this
+    // makes the file 0600 as bind creates it: there is no window in which others may connect.
+    // SAFETY: fchmod on a descriptor we own.
+    check(unsafe { libc::fchmod(fd.as_raw_fd(), 0o600) })?;
+    // SAFETY: `addr` is an initialised sockaddr_un and `len` covers the path and its NUL.
+    check(unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast::<libc::sockaddr>(),
+            len,
+        )
+    })?;
+    // SAFETY: listen on a bound socket we own.
+    if let Err(err) = check(unsafe { libc::listen(fd.as_raw_fd(), BACKLOG) }) {
+        let _ = std::fs::remove_file(path);
+        return Err(err);
+    }
+    Ok(UnixListener::from(fd))
+}
+
+/// Connect to `path`, waiting at most `timeout` if the listener's backlog is full (then the
+/// error is `WouldBlock`). The stream keeps `timeout` as its write timeout.
+pub fn connect(path: &Path, timeout: Duration) -> io::Result<UnixStream> {
+    let (addr, len) = sockaddr(path)?;
+    let stream = UnixStream::from(new_socket()?);
+    // A blocking connect to a full backlog waits for up to the send timeout (SO_SNDTIMEO).
+    stream.set_write_timeout(Some(timeout))?;
+    // SAFETY: `addr` is an initialised sockaddr_un and `len` covers the path and its NUL.
+    check(unsafe {
+        libc::connect(
+            stream.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast::<libc::sockaddr>(),
+            len,
+        )
+    })?;
+    Ok(stream)
+}
