@@ -46,6 +46,25 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Milliseconds between two CLOCK_MONOTONIC stamps.
+pub fn ms_between(from: u64, to: u64) -> f64 {
+    to.saturating_sub(from) as f64 / 1e6
+}
+
+/// The `mayfly-trace: <event> <ns>` lines mayfly prints with `--boot-trace`/`--trace`.
+pub fn trace_events(stderr: &str) -> std::collections::BTreeMap<String, u64> {
+    let mut events = std::collections::BTreeMap::new();
+    for line in stderr.lines() {
+        let mut words = line.split_whitespace();
+        if let (Some("mayfly-trace:"), Some(name), Some(ns)) = (words.next(), words.next(), words.next()) {
+            if let Ok(ns) = ns.parse() {
+                events.entry(name.to_string()).or_insert(ns);
+            }
+        }
+    }
+    events
+}
+
 /// Resident and proportional memory of a process, whole and for the mappings whose name
 /// contains a given string (such as guest RAM), in KiB.
 #[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]

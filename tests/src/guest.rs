@@ -151,6 +151,21 @@ impl Capture {
         String::from_utf8_lossy(&self.0 .0.lock().unwrap().bytes).into_owned()
     }
 
+    /// Wait until at least `count` bytes have arrived; false on timeout or end of the pipe.
+    fn wait_bytes(&self, count: usize, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let (lock, cond) = &*self.0;
+        let mut captured = lock.lock().unwrap();
+        while captured.bytes.len() < count {
+            let now = Instant::now();
+            if captured.closed || now >= deadline {
+                return false;
+            }
+            captured = cond.wait_timeout(captured, deadline - now).unwrap().0;
+        }
+        true
+    }
+
     /// Wait until the pipe is closed (the process and its children let go of it).
     fn wait_closed(&self, timeout: Duration) {
         let deadline = Instant::now() + timeout;
@@ -258,6 +273,11 @@ impl Guest {
                 self.stderr()
             ),
         }
+    }
+
+    /// Wait until the console has printed anything at all; false on timeout.
+    pub fn wait_any_output(&self, timeout: Duration) -> bool {
+        self.stdout.wait_bytes(1, timeout)
     }
 
     /// Wait for the default guest's readiness line and return that line.

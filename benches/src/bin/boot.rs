@@ -14,7 +14,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use clap::Parser;
-use mayfly_benches::{monotonic_ns, smaps_memory, Machine, MemoryUse, Stats};
+use mayfly_benches::ms_between as ms;
+use mayfly_benches::{monotonic_ns, smaps_memory, trace_events, Machine, MemoryUse, Stats};
 use mayfly_tests::guest::{guest_artifact, mayfly_bin, Guest};
 use mayfly_vmm::config::DEFAULT_CMDLINE;
 use serde::Serialize;
@@ -79,10 +80,6 @@ struct Boot {
     guest_ram: MemoryUse,
 }
 
-fn ms(from: u64, to: u64) -> f64 {
-    (to.saturating_sub(from)) as f64 / 1e6
-}
-
 fn boot_mayfly(mem_mib: u64) -> Boot {
     let mut events = BTreeMap::new();
     events.insert("launch".to_string(), monotonic_ns());
@@ -94,16 +91,7 @@ fn boot_mayfly(mem_mib: u64) -> Boot {
     let vmm = smaps_memory(guest.pid(), |name| !is_guest_ram(name)).unwrap_or_default();
     guest.signal(libc::SIGTERM);
     guest.wait_exit(Duration::from_secs(60));
-    for line in guest.stderr().lines() {
-        let mut words = line.split_whitespace();
-        if let (Some("mayfly-trace:"), Some(name), Some(ns)) =
-            (words.next(), words.next(), words.next())
-        {
-            if let Ok(ns) = ns.parse() {
-                events.insert(name.to_string(), ns);
-            }
-        }
-    }
+    events.extend(trace_events(&guest.stderr()));
     Boot {
         events,
         uptime_s: uptime_of(&line),
