@@ -56,7 +56,9 @@ pub fn trace_events(stderr: &str) -> std::collections::BTreeMap<String, u64> {
     let mut events = std::collections::BTreeMap::new();
     for line in stderr.lines() {
         let mut words = line.split_whitespace();
-        if let (Some("mayfly-trace:"), Some(name), Some(ns)) = (words.next(), words.next(), words.next()) {
+        if let (Some("mayfly-trace:"), Some(name), Some(ns)) =
+            (words.next(), words.next(), words.next())
+        {
             if let Ok(ns) = ns.parse() {
                 events.entry(name.to_string()).or_insert(ns);
             }

@@ -97,6 +97,76 @@ impl Drop for TestDir {
     }
 }
 
+/// The console of a VM that runs detached (a fork's clone): input through a FIFO, output in a
+/// log file.
+pub struct FileConsole {
+    pub input: PathBuf,
+    pub log: PathBuf,
+    commands: u32,
+}
+
+impl FileConsole {
+    pub fn new(input: impl Into<PathBuf>, log: impl Into<PathBuf>) -> Self {
+        Self {
+            input: input.into(),
+            log: log.into(),
+            commands: 0,
+        }
+    }
+
+    /// Type into the console.
+    pub fn send(&self, text: &str) {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        // Non-blocking: a FIFO nobody reads (the VM is gone) must fail, not hang.
+        let mut fifo = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&self.input)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot type into {} ({e}): is the VM gone? Its log:\n{}",
+                    self.input.display(),
+                    String::from_utf8_lossy(&std::fs::read(&self.log).unwrap_or_default())
+                )
+            });
+        fifo.write_all(text.as_bytes())
+            .expect("write to the console FIFO");
+    }
+
+    /// Run a shell command and return its output, as [`Guest::run`] does.
+    pub fn run(&mut self, command: &str) -> String {
+        self.commands += 1;
+        let n = self.commands;
+        let start = std::fs::metadata(&self.log)
+            .map(|m| m.len() as usize)
+            .unwrap_or(0);
+        self.send(&format!(
+            "echo '@@beg''in-{n}@@'; {command} 2>&1; echo '@@en''d-{n}@@'\n"
+        ));
+        let (begin, end) = (format!("@@begin-{n}@@"), format!("@@end-{n}@@"));
+        let deadline = Instant::now() + COMMAND_TIMEOUT;
+        loop {
+            let text = std::fs::read(&self.log).unwrap_or_default();
+            let text = String::from_utf8_lossy(&text[start.min(text.len())..]).into_owned();
+            if let Some(b) = text.find(&begin) {
+                if let Some(e) = text[b..].find(&end) {
+                    return text[b + begin.len()..b + e]
+                        .replace('\r', "")
+                        .trim()
+                        .to_string();
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{command:?} got no answer within {COMMAND_TIMEOUT:?}; {} holds:\n{text}",
+                self.log.display()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
 /// The project's artifact cache (`MAYFLY_CACHE`, default ~/.cache/mayfly).
 pub fn cache_dir() -> PathBuf {
     std::env::var_os("MAYFLY_CACHE")
@@ -260,18 +330,21 @@ impl Guest {
         match self.stdout.wait_for(pattern, self.cursor, timeout) {
             Some(end) => {
                 let text = self.stdout.text();
-                let seen = text
-                    .get(self.cursor..end)
-                    .unwrap_or_default()
-                    .to_string();
+                let seen = text.get(self.cursor..end).unwrap_or_default().to_string();
                 self.cursor = end;
                 seen
             }
-            None => panic!(
-                "{pattern:?} did not appear on the console within {timeout:?}\n--- console ---\n{}\n--- stderr ---\n{}",
-                self.console(),
-                self.stderr()
-            ),
+            None => {
+                // Ask mayfly for a dump of its devices and vCPUs, for the report.
+                // SAFETY: kill(2) on our own child's pid.
+                unsafe { libc::kill(self.child.id() as i32, libc::SIGUSR1) };
+                std::thread::sleep(Duration::from_secs(2));
+                panic!(
+                    "{pattern:?} did not appear on the console within {timeout:?}\n--- console ---\n{}\n--- stderr ---\n{}",
+                    self.console(),
+                    self.stderr()
+                )
+            }
         }
     }
 
@@ -291,11 +364,14 @@ impl Guest {
 
     /// Type raw text into the console.
     pub fn send(&mut self, text: &str) {
-        let stdin = self.stdin.as_mut().expect("the console's stdin is open");
-        stdin
-            .write_all(text.as_bytes())
-            .expect("write to the console");
-        stdin.flush().expect("flush the console");
+        if !self.try_send(text) {
+            let status = self.child.try_wait().ok().flatten();
+            panic!(
+                "cannot type into the console: mayfly is gone ({status:?})\n--- console ---\n{}\n--- stderr ---\n{}",
+                self.console(),
+                self.stderr()
+            );
+        }
     }
 
     /// Type raw text into the console unless the VMM has gone already (false then).

@@ -882,8 +882,11 @@ fn qemu_args(
         "none",
         "-no-reboot",
     ]);
+    // kvm.tdp_mmu=0: L1's KVM with the TDP MMU, whose vCPUs update page tables concurrently
+    // with atomic operations, corrupts its SPTEs under QEMU's software emulation when several
+    // guests run at once ("Invalid SPTE change", then a BUG); the older MMU serialises updates.
     let append = format!(
-        "console=ttyS1 loglevel={} panic=-1 mitigations=off random.trust_cpu=on",
+        "console=ttyS1 loglevel={} panic=-1 mitigations=off random.trust_cpu=on kvm.tdp_mmu=0",
         opts.kernel_loglevel.min(8)
     );
     args.push("-kernel".into());

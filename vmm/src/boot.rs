@@ -15,8 +15,9 @@ use crate::arch::layout::e820_map;
 use crate::arch::regs::{self, EntryMode};
 use crate::arch::{acpi, mptable};
 use crate::config::{ConfigError, RunConfig};
-use crate::console::{self, Console};
+use crate::console;
 use crate::devices::{create_devices, DeviceError};
+use crate::identity::{self, Identity, IdentityError};
 use crate::kernel::{self, BootInfo, KernelError};
 use crate::memory::{GuestRam, MemoryError};
 use crate::vm::{self, kvm_err, Vm, VmError, VmInfo};
@@ -49,6 +50,8 @@ pub enum BootError {
     State(#[from] crate::arch::kvm_state::StateError),
     #[error(transparent)]
     Api(#[from] crate::api::ApiError),
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
 }
 
 impl From<BootError> for Error {
@@ -129,6 +132,13 @@ pub fn boot(config: &RunConfig) -> Result<Vm, BootError> {
     regs::setup_regs(&vcpu_fds[0], kernel.mode, first_rip)?;
     trace::event("vcpus_configured");
 
+    let identity = Identity {
+        name: config.name.clone(),
+        ..Identity::default()
+    };
+    identity.write(mem)?;
+    identity::new_generation_id(mem)?;
+
     let caps = KvmCaps::probe(&kvm)?;
     let mut vm = Vm {
         kvm,
@@ -140,6 +150,8 @@ pub fn boot(config: &RunConfig) -> Result<Vm, BootError> {
         event_sender,
         caps,
         info: VmInfo {
+            identity,
+            next_clone: 0,
             vcpu_count: config.vcpus,
             cmdline: config.cmdline.clone(),
             origin: "boot".into(),
@@ -154,9 +166,7 @@ pub fn boot(config: &RunConfig) -> Result<Vm, BootError> {
     }
     vm.start_vcpus(vcpu_fds, breakpoints, false)
         .map_err(BootError::Thread)?;
-    if config.console == Console::Stdio {
-        console::spawn_stdin_forwarder(vm.devices.serial.clone()).map_err(BootError::Thread)?;
-    }
+    console::connect_input(&vm.devices.serial, &config.console, None).map_err(BootError::Thread)?;
     Ok(vm)
 }
 

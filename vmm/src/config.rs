@@ -40,6 +40,8 @@ pub struct RunConfig {
     pub boot_trace: bool,
     /// Serve the control socket here.
     pub api_sock: Option<std::path::PathBuf>,
+    /// The VM's name (its guest reads it from the identity page).
+    pub name: String,
 }
 
 impl RunConfig {

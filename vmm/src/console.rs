@@ -105,14 +105,34 @@ impl Drop for RawTerminal {
     }
 }
 
-/// Forward stdin to the guest's serial port until stdin ends. Input waits while the guest has
+/// Type what arrives on stdin (with `Console::Stdio`) and in `input` (a file or FIFO, opened
+/// read-write so writers may come and go) into the guest's serial port.
+pub fn connect_input(
+    serial: &Arc<Mutex<SerialConsole>>,
+    console: &Console,
+    input: Option<&std::path::Path>,
+) -> io::Result<()> {
+    if *console == Console::Stdio {
+        spawn_forwarder(serial.clone(), Box::new(io::stdin()))?;
+    }
+    if let Some(path) = input {
+        let file = File::options().read(true).write(true).open(path)?;
+        spawn_forwarder(serial.clone(), Box::new(file))?;
+    }
+    Ok(())
+}
+
+/// Forward `input` to the guest's serial port until it ends. Input waits while the guest has
 /// not read what is already queued (the UART's FIFO is small).
-pub fn spawn_stdin_forwarder(serial: Arc<Mutex<SerialConsole>>) -> io::Result<()> {
+fn spawn_forwarder(
+    serial: Arc<Mutex<SerialConsole>>,
+    mut input: Box<dyn Read + Send>,
+) -> io::Result<()> {
     std::thread::Builder::new()
         .name("console-in".into())
         .stack_size(crate::HELPER_THREAD_STACK)
         .spawn(move || {
-            let mut stdin = io::stdin().lock();
+            let stdin = &mut input;
             let mut buf = [0u8; 256];
             loop {
                 let n = match stdin.read(&mut buf) {

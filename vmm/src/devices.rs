@@ -14,13 +14,14 @@ use mayfly_devices::power::{AcpiPower, ACPI_POWER_PORT, ACPI_POWER_PORT_COUNT};
 use mayfly_devices::PowerHandler;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::arch::layout::GED_GSI;
 use crate::vm::VmEvent;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
-    #[error("cannot create an eventfd for the serial interrupt: {0}")]
+    #[error("cannot create an eventfd for a device interrupt: {0}")]
     EventFd(std::io::Error),
-    #[error("KVM refused to connect the serial interrupt (irqfd): {0}")]
+    #[error("KVM refused to connect a device interrupt (irqfd): {0}")]
     Irqfd(kvm_ioctls::Error),
     #[error(transparent)]
     Bus(#[from] BusError),
@@ -31,6 +32,8 @@ pub enum DeviceError {
 pub struct Devices {
     pub serial: Arc<Mutex<SerialConsole>>,
     pub pio: Arc<PioBus>,
+    /// Raises the ACPI Generic Event Device's interrupt: "the VM generation ID changed".
+    pub ged: EventFd,
 }
 
 fn power_handler(events: &Sender<VmEvent>) -> PowerHandler {
@@ -57,6 +60,9 @@ pub fn create_devices(
         None => SerialConsole::new(irq, console_out),
     };
     let serial = Arc::new(Mutex::new(serial));
+    let ged = EventFd::new(libc::EFD_NONBLOCK).map_err(DeviceError::EventFd)?;
+    vm.register_irqfd(&ged, GED_GSI)
+        .map_err(DeviceError::Irqfd)?;
 
     let mut pio = PioBus::new();
     pio.insert(COM1_PORT, COM1_PORT_COUNT, serial.clone())?;
@@ -73,5 +79,6 @@ pub fn create_devices(
     Ok(Devices {
         serial,
         pio: Arc::new(pio),
+        ged,
     })
 }

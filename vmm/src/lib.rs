@@ -4,6 +4,7 @@
 //! - [`boot`]: the boot path, from a [`config::RunConfig`] to a running [`vm::Vm`].
 //! - [`snapshot`]: the snapshot path, from a paused VM to a directory on disk.
 //! - [`restore`]: the restore path, from a snapshot directory to a running VM.
+//! - [`fork`]: the fork path, from a running VM to N running clones.
 //! - [`api`]: the control socket, whose requests the VM's controller ([`vm::Vm::run`]) answers.
 //! - [`vcpu`]: the vCPU threads and how they are paused, stopped and kicked.
 //! - [`vm`]: the KVM VM itself and how a VM ends.
@@ -17,6 +18,8 @@ pub mod boot;
 pub mod config;
 pub mod console;
 pub mod devices;
+pub mod fork;
+pub mod identity;
 pub mod kernel;
 pub mod lazy;
 pub mod memory;
@@ -53,4 +56,6 @@ pub enum Error {
     NoDefaultGuest(&'static str),
     #[error("cannot set up signal handling: {0}")]
     Signals(std::io::Error),
+    #[error(transparent)]
+    Identity(#[from] identity::IdentityError),
 }

@@ -8,9 +8,9 @@ use clap::{Args, Parser, Subcommand};
 use mayfly_vmm::config::{self, RunConfig, DEFAULT_CMDLINE, DEFAULT_MEM_MIB};
 use mayfly_vmm::console::{Console, RawTerminal};
 use mayfly_vmm::kernel::Image;
-use mayfly_vmm::restore::{self, MemoryMode, RestoreConfig};
+use mayfly_vmm::restore::{self, MemoryMode, RestoreConfig, SnapshotFiles};
 use mayfly_vmm::vm::{Vm, VmEvent, VmExit};
-use mayfly_vmm::{api, boot, default_guest, trace, Error};
+use mayfly_vmm::{api, boot, default_guest, identity, trace, Error};
 
 #[derive(Parser)]
 #[command(
@@ -50,6 +50,27 @@ enum Command {
     Snapshot(SnapshotArgs),
     /// Stop a VM (the VMM exits with status 0).
     Shutdown(SockArgs),
+    /// Fork a running VM into N live clones that share its memory until they write.
+    ///
+    /// Each clone is its own mayfly process with its own control socket, console log and
+    /// console input FIFO, next to the parent's socket: <name>.sock, <name>.log, <name>.in.
+    /// The parent keeps running (or stays paused with --keep-paused).
+    Fork(ForkArgs),
+}
+
+#[derive(Args)]
+struct ForkArgs {
+    #[command(flatten)]
+    sock: SockArgs,
+    /// How many clones.
+    #[arg(long, value_name = "N")]
+    count: u32,
+    /// Name clones <PREFIX><n> (default: <parent's name>-).
+    #[arg(long, value_name = "PREFIX")]
+    name_prefix: Option<String>,
+    /// Leave the parent paused after the fork.
+    #[arg(long)]
+    keep_paused: bool,
 }
 
 #[derive(Args)]
@@ -74,8 +95,29 @@ struct SnapshotArgs {
 #[derive(Args)]
 struct RestoreArgs {
     /// The snapshot directory.
-    #[arg(value_name = "DIR")]
-    dir: PathBuf,
+    #[arg(value_name = "DIR", required_unless_present_all = ["state_file", "memory_file"])]
+    dir: Option<PathBuf>,
+    /// The state file, instead of DIR/state (clones get theirs this way).
+    #[arg(long, value_name = "PATH", hide = true, requires = "memory_file")]
+    state_file: Option<PathBuf>,
+    /// The memory file, instead of DIR/memory.
+    #[arg(long, value_name = "PATH", hide = true, requires = "state_file")]
+    memory_file: Option<PathBuf>,
+    /// The VM's name (default: the snapshot's). Its guest reads it with `mayfly-identity`.
+    #[arg(long, value_name = "NAME")]
+    name: Option<String>,
+    /// A file or FIFO whose bytes are typed into the guest's console.
+    #[arg(long, value_name = "PATH")]
+    console_input: Option<PathBuf>,
+    /// Set by a fork: the parent's name.
+    #[arg(long, value_name = "NAME", hide = true, requires = "clone_index")]
+    clone_of: Option<String>,
+    /// Set by a fork: this clone's index.
+    #[arg(long, value_name = "N", hide = true, requires = "clone_of")]
+    clone_index: Option<u32>,
+    /// Set by a fork: write "ready" (or the error) to this descriptor once running.
+    #[arg(long, value_name = "FD", hide = true)]
+    ready_fd: Option<i32>,
     /// How guest memory comes back: `cow` maps the memory file copy-on-write (instant; restores
     /// of one snapshot share memory); `lazy` loads pages as the guest touches them
     /// (userfaultfd), prefetching the pages the snapshot recorded as used first; `eager` reads
@@ -123,9 +165,12 @@ struct RunArgs {
     /// CPU template (JSON list of CPUID masks) instead of the built-in default.
     #[arg(long, value_name = "FILE")]
     cpu_template: Option<PathBuf>,
-    /// Serve the control socket (HTTP/1.1 + JSON) at this path: pause, resume, snapshot.
+    /// Serve the control socket (HTTP/1.1 + JSON) at this path: pause, resume, snapshot, fork.
     #[arg(long, value_name = "PATH")]
     api_sock: Option<PathBuf>,
+    /// The VM's name (default vm-<pid>). Its guest reads it with `mayfly-identity`.
+    #[arg(long, value_name = "NAME")]
+    name: Option<String>,
     /// Print boot phase timestamps on stderr (for benchmarks).
     #[arg(long, hide = true)]
     boot_trace: bool,
@@ -168,6 +213,13 @@ impl RunArgs {
             cpu_template: boot::cpu_template(self.cpu_template.as_deref())?,
             boot_trace: self.boot_trace,
             api_sock: self.api_sock,
+            name: match self.name {
+                Some(name) => {
+                    identity::check_name(&name)?;
+                    name
+                }
+                None => format!("vm-{}", std::process::id()),
+            },
         })
     }
 }
@@ -182,6 +234,16 @@ fn main() -> ExitCode {
         Command::Status(args) => client(&args.sock, "GET", "/vm", None),
         Command::Shutdown(args) => client(&args.sock, "PUT", "/vm/shutdown", None),
         Command::Snapshot(args) => snapshot(args),
+        Command::Fork(args) => client(
+            &args.sock.sock,
+            "PUT",
+            "/vm/fork",
+            Some(serde_json::json!({
+                "count": args.count,
+                "name_prefix": args.name_prefix,
+                "parent": if args.keep_paused { "paused" } else { "running" },
+            })),
+        ),
     }
 }
 
@@ -200,7 +262,7 @@ fn run(args: RunArgs) -> ExitCode {
         Err(err) => return fail(err),
     };
     let console = config.console.clone();
-    serve(&console, || boot::boot(&config).map_err(Error::Boot))
+    serve(&console, None, || boot::boot(&config).map_err(Error::Boot))
 }
 
 fn restore(args: RestoreArgs) -> ExitCode {
@@ -208,29 +270,85 @@ fn restore(args: RestoreArgs) -> ExitCode {
         trace::enable();
         trace::event("main");
     }
+    let ready = args.ready_fd.map(ReadyReport::new);
     let memory = match (args.memory, args.no_prefetch) {
         (MemoryMode::Lazy { .. }, true) => MemoryMode::Lazy { prefetch: false },
         (mode, _) => mode,
     };
+    if let Some(name) = &args.name {
+        if let Err(err) = identity::check_name(name) {
+            return fail_and_report(ready, err);
+        }
+    }
+    let (files, origin) = match (&args.dir, args.state_file, args.memory_file) {
+        (_, Some(state), Some(memory)) => (
+            SnapshotFiles { state, memory },
+            match &args.clone_of {
+                Some(parent) => format!("fork of {parent}"),
+                None => "restore".to_string(),
+            },
+        ),
+        (Some(dir), _, _) => (
+            SnapshotFiles::in_dir(dir),
+            format!("restore of {}", dir.display()),
+        ),
+        _ => unreachable!("clap requires DIR or both files"),
+    };
     let config = RestoreConfig {
-        dir: args.dir,
+        files,
+        origin,
         memory,
         console: args.console,
+        console_input: args.console_input,
         api_sock: args.api_sock,
         paused: args.paused,
+        name: args.name,
+        clone_of: args.clone_of.zip(args.clone_index),
     };
-    serve(&config.console, || {
+    serve(&config.console, ready, || {
         restore::restore(&config).map_err(Error::Restore)
     })
 }
 
+/// Tells whoever started this VMM (a fork) whether the VM is running.
+struct ReadyReport(std::fs::File);
+
+impl ReadyReport {
+    fn new(fd: i32) -> Self {
+        use std::os::fd::FromRawFd;
+        // SAFETY: the descriptor was passed to this process for this report and nothing else
+        // uses it.
+        ReadyReport(unsafe { std::fs::File::from_raw_fd(fd) })
+    }
+
+    fn send(mut self, line: &str) {
+        use std::io::Write;
+        // The parent may be gone; the VM runs anyway.
+        let _ = writeln!(self.0, "{line}");
+    }
+}
+
+fn fail_and_report(ready: Option<ReadyReport>, err: impl std::fmt::Display) -> ExitCode {
+    if let Some(ready) = ready {
+        ready.send(&format!("error: {err}"));
+    }
+    fail(err)
+}
+
 /// Start a VM with `start` and run it until it ends; the process exit status says how.
-fn serve(console: &Console, start: impl FnOnce() -> Result<Vm, Error>) -> ExitCode {
+fn serve(
+    console: &Console,
+    ready: Option<ReadyReport>,
+    start: impl FnOnce() -> Result<Vm, Error>,
+) -> ExitCode {
     // Block the stop signals before any thread starts, so only the signal thread takes them.
     let signals = match StopSignals::block() {
         Ok(signals) => signals,
-        Err(err) => return fail(Error::Signals(err)),
+        Err(err) => return fail_and_report(ready, Error::Signals(err)),
     };
+    // Clones this VM forks are reaped by the kernel, not waited for.
+    // SAFETY: setting a signal's disposition to "ignore" has no other effect.
+    unsafe { libc::signal(libc::SIGCHLD, libc::SIG_IGN) };
     let raw_terminal = (*console == Console::Stdio)
         .then(RawTerminal::stdin)
         .flatten();
@@ -238,10 +356,13 @@ fn serve(console: &Console, start: impl FnOnce() -> Result<Vm, Error>) -> ExitCo
         Ok(vm) => vm,
         Err(err) => {
             drop(raw_terminal);
-            return fail(err);
+            return fail_and_report(ready, err);
         }
     };
     trace::event("vcpus_started");
+    if let Some(ready) = ready {
+        ready.send("ready");
+    }
     if let Err(err) = signals.forward_to(vm.event_sender.clone()) {
         drop(raw_terminal);
         return fail(Error::Signals(err));
@@ -341,6 +462,8 @@ impl StopSignals {
             libc::sigaddset(&mut set, libc::SIGTERM);
             libc::sigaddset(&mut set, libc::SIGINT);
             libc::sigaddset(&mut set, libc::SIGHUP);
+            // Not a stop signal: asks for a state dump on stderr.
+            libc::sigaddset(&mut set, libc::SIGUSR1);
         }
         // SAFETY: blocks the signals in `set` for this thread (and threads it starts).
         let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };

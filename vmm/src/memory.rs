@@ -14,6 +14,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::FileExt;
 
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap};
@@ -172,6 +173,52 @@ impl GuestRam {
         })
     }
 
+    /// Make guest RAM an immutable base that clones can share, and keep running on a private
+    /// (copy-on-write) view of it; returns the base. A memfd-backed VM's own memfd becomes the
+    /// base without a copy: this VM stops writing it (its pages stay shared with the clones
+    /// until either side writes). Any other VM's current memory is first written, sparse, into
+    /// a new memfd. The vCPUs must be paused; KVM drops its mappings of the old pages when the
+    /// new mapping replaces them at the same address (MMU notifiers), so the memory slots stay.
+    /// Also returns how many bytes had to be copied.
+    pub fn freeze(&mut self) -> Result<(File, u64), MemoryError> {
+        let mut copied = 0;
+        if self.kind != RamKind::Memfd {
+            let base = memfd(self.size())?;
+            copied = self.write_sparse(&base).map_err(MemoryError::Copy)?.bytes;
+            self.backing = base;
+        }
+        for region in self.host_regions() {
+            // SAFETY: replaces this VM's own mapping of guest RAM at the same address and size
+            // (MAP_FIXED), with the same contents: the file now holds everything the old
+            // mapping showed. The vCPUs are paused and nothing holds references into it.
+            let addr = unsafe {
+                libc::mmap(
+                    region.host_addr.cast(),
+                    region.len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                    self.backing.as_raw_fd(),
+                    region.file_offset as i64,
+                )
+            };
+            if addr == libc::MAP_FAILED {
+                return Err(MemoryError::Copy(std::io::Error::last_os_error()));
+            }
+            // SAFETY: advice on the mapping just made.
+            unsafe { libc::madvise(addr, region.len, libc::MADV_HUGEPAGE) };
+        }
+        self.kind = RamKind::CopyOnWrite;
+        let base = self.backing.try_clone().map_err(MemoryError::Memfd)?;
+        Ok((base, copied))
+    }
+
+    /// A copy of guest RAM in a new memfd (sparse), leaving this VM's memory as it is.
+    pub fn copy_to_memfd(&self) -> Result<(File, u64), MemoryError> {
+        let base = memfd(self.size())?;
+        let copied = self.write_sparse(&base).map_err(MemoryError::Copy)?.bytes;
+        Ok((base, copied))
+    }
+
     /// Total bytes of guest RAM.
     pub fn size(&self) -> u64 {
         self.ranges.iter().map(|r| r.size).sum()
@@ -229,7 +276,6 @@ pub fn data_extents(file: &File, start: u64, len: u64) -> std::io::Result<Vec<(u
 /// Copy `len` bytes at `offset` from one file to the same offset of another, in the kernel
 /// where it can (copy_file_range), by reading and writing where it cannot.
 fn copy_range(from: &File, to: &File, offset: u64, len: u64) -> std::io::Result<()> {
-    use std::os::unix::fs::FileExt;
     let mut done = 0u64;
     while done < len {
         let mut off_in = (offset + done) as i64;
@@ -272,10 +318,175 @@ fn copy_range(from: &File, to: &File, offset: u64, len: u64) -> std::io::Result<
     Ok(())
 }
 
+const PAGE: usize = 4096;
+
+/// What [`GuestRam::write_sparse`] wrote.
+pub struct SparseWritten {
+    pub bytes: u64,
+    /// Offsets of the pages this process had mapped (for a copy-on-write VM: what the guest
+    /// touched since it was restored).
+    pub touched: Vec<u64>,
+}
+
+fn is_zero(bytes: &[u8]) -> bool {
+    // SAFETY: reinterpreting initialised bytes as u128 words is always valid.
+    let (head, words, tail) = unsafe { bytes.align_to::<u128>() };
+    head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
+}
+
+/// Which pages of `addr..addr + len` this process has mapped (/proc/self/pagemap bit 63).
+fn present_pages(addr: *const u8, len: usize) -> std::io::Result<Vec<bool>> {
+    let pagemap = File::open("/proc/self/pagemap")?;
+    let pages = len / PAGE;
+    let mut present = Vec::with_capacity(pages);
+    let mut buf = vec![0u8; 8 * 4096];
+    let first = addr as u64 / PAGE as u64;
+    let mut done = 0usize;
+    while done < pages {
+        let n = (pages - done).min(buf.len() / 8);
+        pagemap.read_exact_at(&mut buf[..n * 8], (first + done as u64) * 8)?;
+        present.extend(
+            buf[..n * 8]
+                .chunks_exact(8)
+                .map(|e| u64::from_le_bytes(e.try_into().expect("8 bytes")) >> 63 == 1),
+        );
+        done += n;
+    }
+    Ok(present)
+}
+
+impl GuestRam {
+    /// Write guest RAM into `out` (from offset 0, at each range's file offset), skipping pages of
+    /// zeros: the file stays sparse there. The vCPUs must be paused.
+    pub fn write_sparse(&self, out: &File) -> std::io::Result<SparseWritten> {
+        let ram = self;
+        out.set_len(ram.size())?;
+        let mut written = SparseWritten {
+            bytes: 0,
+            touched: Vec::new(),
+        };
+        let mut page_buf = vec![0u8; PAGE];
+        for region in ram.host_regions() {
+            let present = present_pages(region.host_addr, region.len)?;
+            let extents = data_extents(&ram.backing, region.file_offset, region.len as u64)?;
+            // Pages come in increasing order: walk the extents alongside.
+            let mut extent = 0usize;
+            let mut in_backing = |offset: u64| {
+                while extent < extents.len() && extents[extent].0 + extents[extent].1 <= offset {
+                    extent += 1;
+                }
+                extent < extents.len() && extents[extent].0 <= offset
+            };
+            // Consecutive non-zero mapped pages go out in one write.
+            let mut run: Option<(usize, usize)> = None;
+            let flush = |run: &mut Option<(usize, usize)>, written: &mut SparseWritten| {
+                if let Some((first, count)) = run.take() {
+                    // SAFETY: the run lies inside the region's mapping, and the vCPUs are paused.
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts(region.host_addr.add(first * PAGE), count * PAGE)
+                    };
+                    out.write_all_at(bytes, region.file_offset + (first * PAGE) as u64)?;
+                    written.bytes += bytes.len() as u64;
+                }
+                Ok::<(), std::io::Error>(())
+            };
+            for (page, &mapped) in present.iter().enumerate() {
+                let offset = region.file_offset + (page * PAGE) as u64;
+                if mapped {
+                    if ram.kind == RamKind::CopyOnWrite {
+                        written.touched.push(offset);
+                    }
+                    // SAFETY: a mapped page inside the region; the vCPUs are paused.
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts(region.host_addr.add(page * PAGE), PAGE)
+                    };
+                    if !is_zero(bytes) {
+                        match &mut run {
+                            Some((first, count)) if *first + *count == page => *count += 1,
+                            _ => {
+                                flush(&mut run, &mut written)?;
+                                run = Some((page, 1));
+                            }
+                        }
+                        continue;
+                    }
+                } else if in_backing(offset) {
+                    // Not mapped here: the page is what the backing file holds.
+                    ram.backing.read_exact_at(&mut page_buf, offset)?;
+                    if !is_zero(&page_buf) {
+                        flush(&mut run, &mut written)?;
+                        out.write_all_at(&page_buf, offset)?;
+                        written.bytes += PAGE as u64;
+                        continue;
+                    }
+                }
+                flush(&mut run, &mut written)?;
+            }
+            flush(&mut run, &mut written)?;
+        }
+        Ok(written)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::unix::fs::FileExt;
+
+    #[test]
+    fn zero_detection() {
+        let mut page = vec![0u8; PAGE];
+        assert!(is_zero(&page));
+        page[PAGE - 1] = 1;
+        assert!(!is_zero(&page));
+        assert!(is_zero(&page[1..PAGE - 1]));
+    }
+
+    #[test]
+    fn memory_file_holds_every_non_zero_page_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("mayfly-snap-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ram = GuestRam::new_memfd(4 << 20).unwrap();
+        let region = ram.host_regions()[0];
+        // SAFETY: inside the 4 MiB mapping this test owns.
+        unsafe {
+            *region.host_addr.add(8192) = 0xaa; // page 2: data
+            std::ptr::write_bytes(region.host_addr.add(3 * PAGE), 0, PAGE); // page 3: touched zeros
+        }
+        // A page present only in the backing file (written through the fd, never mapped).
+        ram.backing
+            .write_all_at(&[0xbb; 16], (100 * PAGE) as u64)
+            .unwrap();
+
+        let path = dir.join("memory");
+        let written = ram.write_sparse(&File::create(&path).unwrap()).unwrap();
+        assert_eq!(written.bytes, 2 * PAGE as u64);
+        let file = File::open(&path).unwrap();
+        assert_eq!(file.metadata().unwrap().len(), 4 << 20);
+        let mut byte = [0u8; 1];
+        file.read_exact_at(&mut byte, 8192).unwrap();
+        assert_eq!(byte, [0xaa]);
+        file.read_exact_at(&mut byte, (100 * PAGE) as u64).unwrap();
+        assert_eq!(byte, [0xbb]);
+        let data: u64 = data_extents(&file, 0, 4 << 20)
+            .unwrap()
+            .iter()
+            .map(|e| e.1)
+            .sum();
+        assert!(data < (1 << 20), "the file is sparse: {data} bytes of data");
+
+        // A copy-on-write view of that file reads the same, and records what it touched.
+        let cow = GuestRam::copy_on_write(file, &ram_ranges(4 << 20)).unwrap();
+        let cow_region = cow.host_regions()[0];
+        // SAFETY: inside the mapping.
+        unsafe { *cow_region.host_addr.add(5 * PAGE) = 0xcc };
+        let again = cow
+            .write_sparse(&File::create(dir.join("memory2")).unwrap())
+            .unwrap();
+        assert_eq!(again.bytes, 3 * PAGE as u64);
+        assert!(again.touched.contains(&((5 * PAGE) as u64)));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn extents_and_eager_copy_keep_holes() {
@@ -300,6 +511,33 @@ mod tests {
         let copied = data_extents(&ram.backing, 0, 8 << 20).unwrap();
         let copied_bytes: u64 = copied.iter().map(|e| e.1).sum();
         assert!(copied_bytes < 4 << 20, "holes stay holes: {copied:?}");
+    }
+
+    #[test]
+    fn freezing_keeps_contents_and_stops_writes_reaching_the_base() {
+        let mut ram = GuestRam::new_memfd(2 << 20).unwrap();
+        let region = ram.host_regions()[0];
+        // SAFETY: inside the 2 MiB mapping this test owns.
+        unsafe { *region.host_addr.add(100) = 1 };
+        let (base, copied) = ram.freeze().unwrap();
+        assert_eq!(copied, 0, "a memfd VM's memfd is the base as it is");
+        assert_eq!(ram.kind, RamKind::CopyOnWrite);
+        // SAFETY: the same address, now a private mapping of the base.
+        unsafe {
+            assert_eq!(*region.host_addr.add(100), 1);
+            *region.host_addr.add(100) = 2;
+        }
+        let mut byte = [0u8];
+        base.read_exact_at(&mut byte, 100).unwrap();
+        assert_eq!(byte, [1], "the base keeps the fork instant");
+
+        // Freezing a copy-on-write VM writes its current memory into a new base.
+        let (second, copied) = ram.freeze().unwrap();
+        assert_eq!(copied, 4096, "one page holds data");
+        second.read_exact_at(&mut byte, 100).unwrap();
+        assert_eq!(byte, [2]);
+        base.read_exact_at(&mut byte, 100).unwrap();
+        assert_eq!(byte, [1]);
     }
 
     #[test]

@@ -20,6 +20,7 @@ use crate::arch::kvm_state::{self, KvmCaps, StateError};
 use crate::arch::layout::RamRange;
 use crate::console::{self, Console};
 use crate::devices::{create_devices, DeviceError};
+use crate::identity::{self, Identity, IdentityError};
 use crate::lazy::{self, LazyOptions, LazyRegion};
 use crate::memory::{GuestRam, MemoryError};
 use crate::trace;
@@ -53,14 +54,40 @@ impl std::str::FromStr for MemoryMode {
     }
 }
 
+/// Where a snapshot's two files are.
+#[derive(Clone, Debug)]
+pub struct SnapshotFiles {
+    pub state: PathBuf,
+    pub memory: PathBuf,
+}
+
+impl SnapshotFiles {
+    /// The files of a snapshot directory.
+    pub fn in_dir(dir: &Path) -> Self {
+        Self {
+            state: dir.join(STATE_FILE),
+            memory: dir.join(MEMORY_FILE),
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct RestoreConfig {
-    pub dir: PathBuf,
+    pub files: SnapshotFiles,
+    /// How `GET /vm` names where the VM came from.
+    pub origin: String,
     pub memory: MemoryMode,
     pub console: Console,
+    /// A file or FIFO whose bytes are typed into the console (besides stdin with
+    /// `Console::Stdio`).
+    pub console_input: Option<PathBuf>,
     pub api_sock: Option<PathBuf>,
     /// Leave the vCPUs paused (resume through the control socket).
     pub paused: bool,
+    /// The VM's name; the snapshot's when absent.
+    pub name: Option<String>,
+    /// For a clone: its parent's name and its index.
+    pub clone_of: Option<(String, u32)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -99,9 +126,13 @@ pub enum RestoreError {
     #[error(transparent)]
     Lazy(#[from] lazy::LazyError),
     #[error(transparent)]
+    Identity(#[from] IdentityError),
+    #[error(transparent)]
     Api(#[from] crate::api::ApiError),
     #[error("cannot start a vCPU thread: {0}")]
     Thread(std::io::Error),
+    #[error("cannot raise a device interrupt: {0}")]
+    Interrupt(std::io::Error),
 }
 
 /// A snapshot read from disk and checked, with its memory file open.
@@ -112,13 +143,15 @@ pub struct LoadedSnapshot {
     pub memory_path: PathBuf,
 }
 
-/// Read and check a snapshot directory without touching KVM.
-pub fn load(dir: &Path) -> Result<LoadedSnapshot, RestoreError> {
-    if !dir.is_dir() {
-        return Err(RestoreError::NoDir(dir.to_path_buf()));
+/// Read and check a snapshot without touching KVM.
+pub fn load(files: &SnapshotFiles) -> Result<LoadedSnapshot, RestoreError> {
+    if let Some(dir) = files.state.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.exists() {
+            return Err(RestoreError::NoDir(dir.to_path_buf()));
+        }
     }
     let (header, state): (mayfly_snapshot::Header, VmState) =
-        mayfly_snapshot::read_state_file(&dir.join(STATE_FILE))?;
+        mayfly_snapshot::read_state_file(&files.state)?;
     if header.arch != std::env::consts::ARCH {
         return Err(RestoreError::Arch {
             found: header.arch,
@@ -132,7 +165,7 @@ pub fn load(dir: &Path) -> Result<LoadedSnapshot, RestoreError> {
             state.vcpu_count
         )));
     }
-    let memory_path = dir.join(MEMORY_FILE);
+    let memory_path = files.memory.clone();
     let memory = File::options()
         .read(true)
         .open(&memory_path)
@@ -171,7 +204,7 @@ pub fn load(dir: &Path) -> Result<LoadedSnapshot, RestoreError> {
 /// Restore the snapshot in `config.dir`; returns once every vCPU runs (or waits, paused).
 pub fn restore(config: &RestoreConfig) -> Result<Vm, RestoreError> {
     let started = std::time::Instant::now();
-    let snapshot = load(&config.dir)?;
+    let snapshot = load(&config.files)?;
     trace::event("state_loaded");
     let state = &snapshot.state;
 
@@ -270,6 +303,22 @@ pub fn restore(config: &RestoreConfig) -> Result<Vm, RestoreError> {
     }
     trace::event("vcpus_restored");
 
+    // Who this VM is now: a restore is a new instance of the snapshot's VM (a clone is one
+    // with a new name), with a new generation ID so its RNG does not repeat another's.
+    let mut identity = Identity::read(&ram.memory);
+    if let Some(name) = &config.name {
+        identity.name = name.clone();
+    } else if identity.name.is_empty() {
+        identity.name = format!("vm-{}", std::process::id());
+    }
+    if let Some((parent, index)) = &config.clone_of {
+        identity.parent = Some(parent.clone());
+        identity.index = Some(*index);
+    }
+    identity.generation += 1;
+    identity.write(&ram.memory)?;
+    identity::new_generation_id(&ram.memory)?;
+
     let mut vm = Vm {
         kvm,
         fd: vm_fd,
@@ -280,9 +329,11 @@ pub fn restore(config: &RestoreConfig) -> Result<Vm, RestoreError> {
         event_sender,
         caps,
         info: VmInfo {
+            identity,
+            next_clone: 0,
             vcpu_count: state.vcpu_count,
             cmdline: state.cmdline.clone(),
-            origin: format!("restore of {}", config.dir.display()),
+            origin: config.origin.clone(),
             started,
         },
         paused: config.paused,
@@ -294,9 +345,17 @@ pub fn restore(config: &RestoreConfig) -> Result<Vm, RestoreError> {
     }
     vm.start_vcpus(vcpu_fds, None, config.paused)
         .map_err(RestoreError::Thread)?;
+    // The guest learns of its new generation ID through the Generic Event Device.
+    vm.devices.ged.write(1).map_err(RestoreError::Interrupt)?;
+    mayfly_devices::bus::lock(&vm.devices.serial)
+        .raise_pending_interrupt()
+        .map_err(RestoreError::Interrupt)?;
     trace::event("vcpus_started");
-    if config.console == Console::Stdio {
-        console::spawn_stdin_forwarder(vm.devices.serial.clone()).map_err(RestoreError::Thread)?;
-    }
+    console::connect_input(
+        &vm.devices.serial,
+        &config.console,
+        config.console_input.as_deref(),
+    )
+    .map_err(RestoreError::Thread)?;
     Ok(vm)
 }

@@ -12,6 +12,8 @@ use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 use crate::api::{Action, ApiCall, ApiServer, Reply};
 use crate::arch::kvm_state::KvmCaps;
 use crate::arch::layout::{KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
+use crate::fork::{ForkError, ForkRequest};
+use crate::identity::Identity;
 use crate::lazy::LazyMemory;
 use crate::memory::GuestRam;
 use crate::vcpu::VcpuHandle;
@@ -184,6 +186,9 @@ impl VmExit {
 /// Facts about the VM for `GET /vm`.
 #[derive(Clone, Debug)]
 pub struct VmInfo {
+    pub identity: Identity,
+    /// The index the next clone forked from this VM gets.
+    pub next_clone: u32,
     pub vcpu_count: u8,
     pub cmdline: String,
     /// "boot", or the snapshot it was restored from.
@@ -230,6 +235,7 @@ impl Vm {
                 }
                 VmEvent::Power(PowerRequest::PowerOff) => break VmExit::PowerOff,
                 VmEvent::Power(PowerRequest::Reset) => break VmExit::Reset,
+                VmEvent::Signal(libc::SIGUSR1) => eprintln!("{}", self.debug_dump()),
                 VmEvent::Signal(sig) => break VmExit::Signal(sig),
                 VmEvent::MemoryFailed(reason) => break VmExit::Failed(reason),
                 VmEvent::VcpuFailed {
@@ -279,16 +285,114 @@ impl Vm {
                 ),
                 Err(e) => (Reply::error(500, e.to_string()), None),
             },
-            Action::Fork { .. } => (
-                Reply::error(501, "fork is not supported by this mayfly yet"),
-                None,
-            ),
+            Action::Fork {
+                count,
+                name_prefix,
+                parent_paused,
+            } => {
+                let request = ForkRequest {
+                    count,
+                    name_prefix,
+                    parent_paused,
+                };
+                match crate::fork::fork(self, &request) {
+                    Ok(report) => (
+                        Reply::ok(serde_json::to_value(report).unwrap_or_default()),
+                        None,
+                    ),
+                    Err(e) => {
+                        let status = match e {
+                            ForkError::NoClones
+                            | ForkError::TooMany(_)
+                            | ForkError::Name(_)
+                            | ForkError::NoSocket => 400,
+                            ForkError::NotEnoughMemory { .. } => 507,
+                            ForkError::ShuttingDown => 409,
+                            _ => 500,
+                        };
+                        (Reply::error(status, e.to_string()), None)
+                    }
+                }
+            }
             Action::Shutdown => (Reply::no_content(), Some(VmExit::Shutdown)),
         }
     }
 
+    /// What a stuck guest's devices and interrupt controllers look like (on SIGUSR1).
+    fn debug_dump(&mut self) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::from("mayfly: state dump\n");
+        let serial = mayfly_devices::bus::lock(&self.devices.serial).state();
+        let _ = writeln!(
+            out,
+            "  serial: IER {:#04x} IIR {:#04x} LSR {:#04x} MCR {:#04x} LCR {:#04x}, {} input bytes queued",
+            serial.interrupt_enable,
+            serial.interrupt_identification,
+            serial.line_status,
+            serial.modem_control,
+            serial.line_control,
+            serial.in_buffer.len()
+        );
+        let mut ioapic = kvm_bindings::kvm_irqchip {
+            chip_id: kvm_bindings::KVM_IRQCHIP_IOAPIC,
+            ..Default::default()
+        };
+        if self.fd.get_irqchip(&mut ioapic).is_ok() {
+            // SAFETY: chip_id is the IOAPIC, so the union holds its state.
+            let state = unsafe { ioapic.chip.ioapic };
+            for pin in [4usize, 5] {
+                // SAFETY: redirection entries are plain 64-bit values.
+                let entry = unsafe { state.redirtbl[pin].bits };
+                let _ = writeln!(
+                    out,
+                    "  ioapic pin {pin}: {entry:#018x} (irr {:#x})",
+                    state.irr
+                );
+            }
+        }
+        let was_paused = self.paused;
+        if !was_paused && self.pause().is_err() {
+            return out;
+        }
+        for vcpu in &self.vcpus {
+            let lapic = vcpu.run_job(|fd| fd.get_lapic().ok()).flatten();
+            if let Some(lapic) = lapic {
+                let reg = |offset: usize| {
+                    (0..8)
+                        .map(|i| {
+                            let at = offset + i * 0x10;
+                            u32::from_le_bytes(std::array::from_fn(|b| lapic.regs[at + b] as u8))
+                        })
+                        .rev()
+                        .map(|w| format!("{w:08x}"))
+                        .collect::<String>()
+                };
+                let _ = writeln!(
+                    out,
+                    "  vcpu {}: ISR {} IRR {}",
+                    vcpu.index,
+                    reg(0x100),
+                    reg(0x200)
+                );
+            }
+            let regs = vcpu.run_job(|fd| crate::vcpu::dump_registers(fd));
+            if let Some(regs) = regs {
+                out.push_str(&regs);
+            }
+        }
+        if !was_paused {
+            self.resume();
+        }
+        out
+    }
+
     fn describe(&self) -> serde_json::Value {
+        let id = &self.info.identity;
         serde_json::json!({
+            "name": id.name,
+            "clone_index": id.index,
+            "parent": id.parent,
+            "generation": id.generation,
             "state": if self.paused { "paused" } else { "running" },
             "origin": self.info.origin,
             "memory_mode": self.ram.kind.name(),

@@ -44,11 +44,19 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 const USEFUL_COMMAND: &str = "echo use''ful-$((40+2))\n";
 const USEFUL_ANSWER: &str = "useful-42";
 
-fn request(sock: &Path, method: &str, path: &str, body: Option<serde_json::Value>) -> (f64, serde_json::Value) {
+fn request(
+    sock: &Path,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> (f64, serde_json::Value) {
     let start = monotonic_ns();
     let (status, answer) = api::request(sock, method, path, body.as_ref())
         .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
-    assert!((200..300).contains(&status), "{method} {path}: HTTP {status} {answer}");
+    assert!(
+        (200..300).contains(&status),
+        "{method} {path}: HTTP {status} {answer}"
+    );
     (ms(start, monotonic_ns()), answer)
 }
 
@@ -63,7 +71,12 @@ struct SnapshotTimes {
 }
 
 /// Boot a guest with data in its tmpfs; returns it, its socket and a snapshot of it.
-fn prepare(dir: &TestDir, mem_mib: u64, data_mib: u64, runs: usize) -> (Guest, PathBuf, SnapshotTimes) {
+fn prepare(
+    dir: &TestDir,
+    mem_mib: u64,
+    data_mib: u64,
+    runs: usize,
+) -> (Guest, PathBuf, SnapshotTimes) {
     let sock = dir.join("boot.sock");
     let mut guest = Guest::start(&[
         "run",
@@ -88,9 +101,15 @@ fn prepare(dir: &TestDir, mem_mib: u64, data_mib: u64, runs: usize) -> (Guest, P
         );
         let (resume, _) = request(&sock, "PUT", "/vm/resume", None);
         times.pause_ms.push(pause);
-        times.state_ms.push(report["state_ms"].as_f64().unwrap_or(0.0));
-        times.memory_ms.push(report["memory_ms"].as_f64().unwrap_or(0.0));
-        times.total_ms.push(report["total_ms"].as_f64().unwrap_or(0.0));
+        times
+            .state_ms
+            .push(report["state_ms"].as_f64().unwrap_or(0.0));
+        times
+            .memory_ms
+            .push(report["memory_ms"].as_f64().unwrap_or(0.0));
+        times
+            .total_ms
+            .push(report["total_ms"].as_f64().unwrap_or(0.0));
         times.resume_ms.push(resume);
         times.memory_bytes_written = report["memory_bytes_written"].as_u64().unwrap_or(0);
         // Let the guest run a little between snapshots, as it would.
@@ -111,7 +130,11 @@ fn restore_once(snap: &Path, mode: &str, extra: &[&str]) -> (Restore, Guest) {
     args.extend_from_slice(extra);
     let mut guest = Guest::start(&args);
     guest.send(USEFUL_COMMAND);
-    assert!(guest.wait_any_output(TIMEOUT), "no output from the restored guest: {}", guest.stderr());
+    assert!(
+        guest.wait_any_output(TIMEOUT),
+        "no output from the restored guest: {}",
+        guest.stderr()
+    );
     let first_output = monotonic_ns();
     guest.expect(USEFUL_ANSWER, TIMEOUT);
     let useful = monotonic_ns();
@@ -129,7 +152,11 @@ const PHASES: [(&str, &str, &str); 9] = [
     ("kvm_setup", "memory_mapped", "vcpus_restored"),
     ("vcpu_start", "vcpus_restored", "first_kvm_run"),
     ("launch_to_running", "launch", "first_kvm_run"),
-    ("first_kvm_run_to_first_output", "first_kvm_run", "first_output"),
+    (
+        "first_kvm_run_to_first_output",
+        "first_kvm_run",
+        "first_output",
+    ),
     ("launch_to_first_output", "launch", "first_output"),
     ("launch_to_useful", "launch", "useful"),
 ];
@@ -205,7 +232,10 @@ fn boot_to_useful(mem_mib: u64) -> f64 {
 
 fn bench_size(mem_mib: u64, args: &Args) -> SizeReport {
     let dir = TestDir::new(&format!("bench-snapshot-{mem_mib}"));
-    eprintln!("snapshot bench: {mem_mib} MiB guest, {} MiB of data", args.data_mib);
+    eprintln!(
+        "snapshot bench: {mem_mib} MiB guest, {} MiB of data",
+        args.data_mib
+    );
     let (mut booted, snap, times) = prepare(&dir, mem_mib, args.data_mib, args.runs);
     booted.signal(libc::SIGKILL);
     booted.wait_exit(TIMEOUT);
@@ -214,9 +244,18 @@ fn bench_size(mem_mib: u64, args: &Args) -> SizeReport {
     let ws_sock = dir.join("ws.sock");
     let ws_snap = dir.join("snap-ws");
     {
-        let (_, mut guest) = restore_once(&snap, "lazy", &["--no-prefetch", "--api-sock", &ws_sock.to_string_lossy()]);
+        let (_, mut guest) = restore_once(
+            &snap,
+            "lazy",
+            &["--no-prefetch", "--api-sock", &ws_sock.to_string_lossy()],
+        );
         request(&ws_sock, "PUT", "/vm/pause", None);
-        request(&ws_sock, "PUT", "/vm/snapshot", Some(serde_json::json!({ "path": ws_snap })));
+        request(
+            &ws_sock,
+            "PUT",
+            "/vm/snapshot",
+            Some(serde_json::json!({ "path": ws_snap })),
+        );
         guest.signal(libc::SIGKILL);
         guest.wait_exit(TIMEOUT);
     }
@@ -324,7 +363,10 @@ fn main() {
         None => println!("{json}"),
     }
 
-    eprintln!("\nsnapshot bench summary ({}; medians over {} runs)", report.machine.kvm, args.runs);
+    eprintln!(
+        "\nsnapshot bench summary ({}; medians over {} runs)",
+        report.machine.kvm, args.runs
+    );
     for size in &report.sizes {
         let s = &size.snapshot;
         eprintln!(

@@ -115,6 +115,17 @@ impl SerialConsole {
         self.uart.enqueue_raw_bytes(bytes).unwrap_or(0)
     }
 
+    /// Raise the interrupt again if the UART says one is pending. A snapshot can catch an
+    /// interrupt after the UART raised it but before KVM delivered it (irqfd injection is
+    /// asynchronous): the restored guest would wait for it forever, its console stuck.
+    pub fn raise_pending_interrupt(&self) -> io::Result<()> {
+        const IIR_NO_INTERRUPT: u8 = 0x01;
+        if self.uart.state().interrupt_identification & IIR_NO_INTERRUPT == 0 {
+            self.uart.interrupt_evt().trigger()?;
+        }
+        Ok(())
+    }
+
     /// Room left in the receive FIFO.
     pub fn input_capacity(&self) -> usize {
         self.uart.fifo_capacity()
@@ -201,6 +212,22 @@ mod tests {
         let mut byte = [0u8];
         restored.read(0, &mut byte);
         assert_eq!(byte[0], b'a');
+    }
+
+    #[test]
+    fn a_pending_interrupt_is_raised_again() {
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut console = SerialConsole::new(irq.try_clone().unwrap(), Box::new(io::sink()));
+        console.raise_pending_interrupt().unwrap();
+        assert!(irq.read().is_err(), "nothing pending, nothing raised");
+        console.write(1, &[0x02]); // enable "transmitter empty": it is pending at once
+        while irq.read().is_ok() {}
+        console.raise_pending_interrupt().unwrap();
+        assert_eq!(irq.read().unwrap(), 1);
+        let mut iir = [0u8];
+        console.read(2, &mut iir); // the guest reads IIR: no longer pending
+        console.raise_pending_interrupt().unwrap();
+        assert!(irq.read().is_err());
     }
 
     #[test]

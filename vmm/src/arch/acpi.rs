@@ -12,7 +12,10 @@ use mayfly_devices::power::{
 use vm_memory::{Bytes, GuestAddress};
 
 use super::aml;
-use super::layout::{IOAPIC_ADDR, LAPIC_ADDR, RSDP_START};
+use super::layout::{
+    GED_GSI, IDENTITY_PAGE_ADDR, IDENTITY_PAGE_SIZE, IOAPIC_ADDR, LAPIC_ADDR, RSDP_START,
+    VMGENID_ADDR,
+};
 use crate::memory::GuestMemory;
 
 const OEM_ID: &[u8; 6] = b"MAYFLY";
@@ -96,9 +99,9 @@ fn fadt(dsdt_addr: u64) -> Vec<u8> {
     sdt(b"FACP", 6, &body)
 }
 
-/// The DSDT: the soft-off sleep type `\_S5`, and the legacy devices with interrupts. In a
-/// hardware-reduced platform the guest maps no ISA interrupt by itself: a device's IRQ works
-/// only once the DSDT describes it.
+/// The DSDT: the soft-off sleep type `\_S5`, and the devices. In a hardware-reduced platform
+/// the guest maps no ISA interrupt by itself: a device's IRQ works only once the DSDT
+/// describes it.
 fn dsdt() -> Vec<u8> {
     let s5 = aml::package(&[
         aml::integer(u64::from(S5_SLEEP_TYPE)),
@@ -120,7 +123,53 @@ fn dsdt() -> Vec<u8> {
             ),
         ],
     );
-    let body = [aml::name("_S5", &s5), aml::scope("\\_SB", &[com1])].concat();
+    // The VM generation ID (Microsoft's VMGenID, which Linux's vmgenid driver implements):
+    // when it changes, the guest reseeds its RNG. ADDR is its guest-physical address.
+    let vmgenid = aml::device(
+        "VGEN",
+        &[
+            aml::name("_HID", &aml::string("MAYF0001")),
+            aml::name("_CID", &aml::string("VM_GEN_COUNTER")),
+            aml::name("_DDN", &aml::string("VM_Gen_Counter")),
+            aml::name(
+                "ADDR",
+                &aml::package(&[
+                    aml::integer(VMGENID_ADDR & 0xffff_ffff),
+                    aml::integer(VMGENID_ADDR >> 32),
+                ]),
+            ),
+        ],
+    );
+    // The Generic Event Device: its interrupt runs _EVT, which tells VGEN to look again.
+    let ged = aml::device(
+        "GED0",
+        &[
+            aml::name("_HID", &aml::string("ACPI0013")),
+            aml::name("_UID", &aml::integer(0)),
+            aml::name("_CRS", &aml::resource_template(&[aml::interrupt(GED_GSI)])),
+            aml::method("_EVT", 1, &[aml::notify("\\_SB.VGEN", 0x80)]),
+        ],
+    );
+    // The identity page: where a guest finds its VM's name and clone index.
+    let identity = aml::device(
+        "MIDT",
+        &[
+            aml::name("_HID", &aml::string("MAYF0002")),
+            aml::name("_UID", &aml::integer(0)),
+            aml::name(
+                "_CRS",
+                &aml::resource_template(&[aml::memory32_fixed(
+                    IDENTITY_PAGE_ADDR as u32,
+                    IDENTITY_PAGE_SIZE as u32,
+                )]),
+            ),
+        ],
+    );
+    let body = [
+        aml::name("_S5", &s5),
+        aml::scope("\\_SB", &[com1, vmgenid, ged, identity]),
+    ]
+    .concat();
     sdt(b"DSDT", 6, &body)
 }
 

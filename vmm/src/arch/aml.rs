@@ -101,6 +101,40 @@ pub fn eisa_id(id: &str) -> Vec<u8> {
     integer(u64::from(raw.swap_bytes()))
 }
 
+/// A string constant.
+pub fn string(text: &str) -> Vec<u8> {
+    assert!(
+        text.is_ascii() && !text.contains('\0'),
+        "AML strings are ASCII without NUL"
+    );
+    let mut out = vec![0x0d];
+    out.extend_from_slice(text.as_bytes());
+    out.push(0);
+    out
+}
+
+/// `Method (name, args) { body }`, not serialized.
+pub fn method(name: &str, args: u8, body: &[Vec<u8>]) -> Vec<u8> {
+    assert!(args < 8, "AML methods take at most 7 arguments");
+    let mut inner = name_string(name);
+    inner.push(args);
+    for b in body {
+        inner.extend_from_slice(b);
+    }
+    let mut out = vec![0x14];
+    out.extend(pkg_length(inner.len()));
+    out.extend(inner);
+    out
+}
+
+/// `Notify (path, value)`.
+pub fn notify(path: &str, value: u64) -> Vec<u8> {
+    let mut out = vec![0x86];
+    out.extend(name_string(path));
+    out.extend(integer(value));
+    out
+}
+
 /// `Name (name, value)`.
 pub fn name(name: &str, value: &[u8]) -> Vec<u8> {
     let mut out = vec![0x08];
@@ -177,6 +211,21 @@ pub fn irq(irq: u8) -> Vec<u8> {
     d
 }
 
+/// `Memory32Fixed (ReadWrite, base, len)`.
+pub fn memory32_fixed(base: u32, len: u32) -> Vec<u8> {
+    let mut d = vec![0x86, 0x09, 0x00, 0x01];
+    d.extend_from_slice(&base.to_le_bytes());
+    d.extend_from_slice(&len.to_le_bytes());
+    d
+}
+
+/// `Interrupt (ResourceConsumer, Edge, ActiveHigh, Exclusive) { gsi }`.
+pub fn interrupt(gsi: u32) -> Vec<u8> {
+    let mut d = vec![0x89, 0x06, 0x00, 0x03, 0x01];
+    d.extend_from_slice(&gsi.to_le_bytes());
+    d
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -221,7 +270,24 @@ mod tests {
     }
 
     #[test]
+    fn strings_methods_and_notify() {
+        assert_eq!(string("AB"), vec![0x0d, b'A', b'B', 0]);
+        let m = method("_EVT", 1, &[notify("\\_SB.VGEN", 0x80)]);
+        // MethodOp, PkgLength, "_EVT", flags, NotifyOp, \, DualNamePrefix, _SB_, VGEN, 0x80.
+        assert_eq!(m[0], 0x14);
+        assert_eq!(usize::from(m[1]), m.len() - 1);
+        assert_eq!(&m[2..7], &[b'_', b'E', b'V', b'T', 1]);
+        assert_eq!(&m[7..10], &[0x86, b'\\', 0x2e]);
+        assert_eq!(&m[m.len() - 2..], &[0x0a, 0x80]);
+    }
+
+    #[test]
     fn resources() {
+        assert_eq!(
+            memory32_fixed(0xee000, 0x1000)[..4],
+            [0x86, 0x09, 0x00, 0x01]
+        );
+        assert_eq!(interrupt(5), vec![0x89, 0x06, 0x00, 0x03, 0x01, 5, 0, 0, 0]);
         assert_eq!(
             io_ports(0x3f8, 8),
             vec![0x47, 0x01, 0xf8, 0x03, 0xf8, 0x03, 0x01, 0x08]

@@ -9,6 +9,8 @@
 //! 0x0002_0000  kernel command line
 //! 0x0009_fc00  EBDA: reserved, as on a PC
 //! 0x000e_0000  ACPI tables, RSDP first (BIOS area, reserved)
+//! 0x000e_e000  identity page: the VM's name and clone index, for the guest (reserved)
+//! 0x000e_f000  VM generation ID, 16 bytes (ACPI VMGenID, reserved)
 //! 0x000f_0000  MP table (BIOS area, reserved)
 //! 0x0010_0000  high memory: the kernel is loaded at its ELF physical address (16 MiB)
 //! 0xc000_0000  MMIO gap to 4 GiB: IOAPIC, local APIC, later virtio-mmio devices
@@ -30,6 +32,13 @@ pub const CMDLINE_START: u64 = 0x20000;
 pub const CMDLINE_MAX_SIZE: usize = 2048;
 /// Start of the extended BIOS data area: RAM below it is usable, the rest of the first MiB is not.
 pub const EBDA_START: u64 = 0x9fc00;
+/// A page of text the VMM writes and the guest reads through /dev/mem (see `identity`).
+pub const IDENTITY_PAGE_ADDR: u64 = 0xee000;
+pub const IDENTITY_PAGE_SIZE: u64 = 0x1000;
+/// The 128-bit VM generation ID the guest's vmgenid driver watches.
+pub const VMGENID_ADDR: u64 = 0xef000;
+/// The interrupt of the ACPI Generic Event Device that tells the guest the ID changed.
+pub const GED_GSI: u32 = 5;
 /// The guest scans 0xf0000..0x100000 for the MP floating pointer.
 pub const MPTABLE_START: u64 = 0xf0000;
 /// The guest finds the RSDP by scanning 0xe0000..0x100000, or through the boot protocol.
