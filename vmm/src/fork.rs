@@ -12,11 +12,16 @@
 //!    VM generation ID (its kernel RNG reseeds) and its wall clock set from the host.
 //! 4. Wait until every clone reports its vCPUs running, then resume the parent.
 //!
-//! Why this mechanism: measured against the alternatives (see benches/), a base memfd shared by
-//! private mappings costs no copy at fork time for a booted VM and shares every clean page;
-//! fork(2) of the VMM cannot carry a KVM VM into the child (a VM belongs to the process that
-//! created it) and a forked multi-threaded process must not allocate; userfaultfd COPY would
-//! give every clone a private copy of each page it touches.
+//! Why this mechanism, measured in the test rig (benches/results/fork-rig.json, 128 MiB guest):
+//! handing the parent's memfd over as the base freezes it in ~2 ms and the parent then shares
+//! its clean pages with the clones (parent + 10 clones: 29 MiB PSS in all); copying the
+//! parent's memory into a new base instead (`MAYFLY_FORK_COPY=1`, kept to measure the
+//! alternative: `benches/run fork --compare-copy`) takes ~110 ms for 28 MiB and leaves the
+//! parent's pages unshared (55 MiB in all). fork(2) of the VMM cannot carry a KVM VM into the
+//! child (a VM belongs to the process that created it) and a forked multi-threaded process must
+//! not allocate; userfaultfd COPY would give every clone a private copy of each page it touches.
+//! A VM that is not memfd-backed (restored copy-on-write or lazily, or itself a clone) has no
+//! single file holding its memory, so its fork copies (sparse) once, and then shares as above.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -210,6 +215,29 @@ fn mkfifo(path: &Path) -> Result<(), ForkError> {
     Ok(())
 }
 
+/// A descriptor duplicated for a child to inherit (not close-on-exec); closed when dropped.
+struct Inherited(i32);
+
+impl Inherited {
+    fn dup(fd: &impl AsRawFd) -> Result<Self, ForkError> {
+        // SAFETY: dup of a descriptor we own; the new one is owned by the returned value.
+        let new = unsafe { libc::dup(fd.as_raw_fd()) };
+        if new < 0 {
+            return Err(io("duplicate a descriptor for a clone")(
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(Inherited(new))
+    }
+}
+
+impl Drop for Inherited {
+    fn drop(&mut self) {
+        // SAFETY: closes the descriptor this value owns.
+        unsafe { libc::close(self.0) };
+    }
+}
+
 /// A clone being started: its process and the pipe it reports on.
 struct Starting {
     info: CloneInfo,
@@ -237,17 +265,25 @@ fn spawn_clone(
     let log = File::create(&info.console_log)
         .map_err(io(format!("create {}", info.console_log.display())))?;
     let (ready, ready_w) = pipe()?;
-    let inherit = [state.as_raw_fd(), memory.as_raw_fd(), ready_w.as_raw_fd()];
+    // The clone inherits three descriptors. They are duplicated without close-on-exec just for
+    // this spawn (clones are started one at a time, from this thread only), so the standard
+    // library can start the clone with posix_spawn rather than fork: no copy of this process's
+    // page tables per clone.
+    let inherit = [
+        Inherited::dup(state)?,
+        Inherited::dup(memory)?,
+        Inherited::dup(&ready_w)?,
+    ];
     let exe = std::env::current_exe().map_err(io("find the mayfly binary"))?;
     let mut command = Command::new(exe);
     command
         .arg("restore")
         .arg("--state-file")
-        .arg(format!("/proc/self/fd/{}", inherit[0]))
+        .arg(format!("/proc/self/fd/{}", inherit[0].0))
         .arg("--memory-file")
-        .arg(format!("/proc/self/fd/{}", inherit[1]))
+        .arg(format!("/proc/self/fd/{}", inherit[1].0))
         .arg("--ready-fd")
-        .arg(inherit[2].to_string())
+        .arg(inherit[2].0.to_string())
         .args(["--memory", "cow", "--name", &info.name])
         .arg("--clone-of")
         .arg(parent)
@@ -261,24 +297,14 @@ fn spawn_clone(
         .arg(&info.console_input)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(log);
-    // SAFETY: between fork and exec the closure only calls async-signal-safe functions
-    // (setsid, fcntl) on descriptors this process owns.
-    unsafe {
-        command.pre_exec(move || {
-            // Its own session: the clone outlives the parent and its terminal.
-            libc::setsid();
-            for fd in inherit {
-                if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            Ok(())
-        });
-    }
+        .stderr(log)
+        // Its own process group: the clone outlives the parent, and a Ctrl-C or hang-up meant
+        // for the parent's terminal does not reach it.
+        .process_group(0);
     let child = command
         .spawn()
         .map_err(io(format!("start clone {}", info.name)))?;
+    drop(inherit);
     drop(ready_w);
     Ok(Starting {
         info: CloneInfo {
@@ -388,6 +414,7 @@ fn fork_paused(
     )?)?;
     let state_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms;
 
+    // MAYFLY_FORK_COPY: measure the alternative to handing the memory over (see above).
     let (base, copied_bytes) = if std::env::var_os("MAYFLY_FORK_COPY").is_some() {
         vm.ram.copy_to_memfd()?
     } else {
