@@ -75,35 +75,59 @@ pub struct MemoryUse {
     pub pss_kib: u64,
 }
 
-/// Sum Rss and Pss over the mappings of `/proc/<pid>/smaps` that `select` accepts (by name).
-pub fn smaps_memory(pid: u32, select: impl Fn(&str) -> bool) -> std::io::Result<MemoryUse> {
-    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
-    Ok(parse_smaps(&smaps, select))
+/// One mapping of `/proc/<pid>/smaps`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Mapping {
+    pub name: String,
+    pub size_kib: u64,
+    pub memory: MemoryUse,
 }
 
-fn parse_smaps(smaps: &str, select: impl Fn(&str) -> bool) -> MemoryUse {
-    let mut total = MemoryUse::default();
-    let mut selected = false;
+/// Every mapping of a process, with its size, RSS and PSS.
+pub fn smaps(pid: u32) -> std::io::Result<Vec<Mapping>> {
+    Ok(parse_smaps(&std::fs::read_to_string(format!(
+        "/proc/{pid}/smaps"
+    ))?))
+}
+
+/// Sum Rss and Pss over the mappings of `/proc/<pid>/smaps` that `select` accepts (by name).
+pub fn smaps_memory(pid: u32, select: impl Fn(&str) -> bool) -> std::io::Result<MemoryUse> {
+    Ok(sum(smaps(pid)?.iter().filter(|m| select(&m.name))))
+}
+
+/// Add up mappings' memory.
+pub fn sum<'a>(mappings: impl Iterator<Item = &'a Mapping>) -> MemoryUse {
+    mappings.fold(MemoryUse::default(), |acc, m| MemoryUse {
+        rss_kib: acc.rss_kib + m.memory.rss_kib,
+        pss_kib: acc.pss_kib + m.memory.pss_kib,
+    })
+}
+
+fn parse_smaps(smaps: &str) -> Vec<Mapping> {
+    let mut mappings: Vec<Mapping> = Vec::new();
     for line in smaps.lines() {
         let mut fields = line.split_whitespace();
         let Some(first) = fields.next() else { continue };
         if first.contains('-') && !first.ends_with(':') {
             // A mapping's header: "start-end perms offset dev inode [name]".
-            let name = line.split_whitespace().nth(5).unwrap_or("");
-            selected = select(name);
+            mappings.push(Mapping {
+                name: line.split_whitespace().nth(5).unwrap_or("").to_string(),
+                ..Mapping::default()
+            });
             continue;
         }
-        if !selected {
+        let Some(current) = mappings.last_mut() else {
             continue;
-        }
+        };
         let value: u64 = fields.next().and_then(|v| v.parse().ok()).unwrap_or(0);
         match first {
-            "Rss:" => total.rss_kib += value,
-            "Pss:" => total.pss_kib += value,
+            "Size:" => current.size_kib = value,
+            "Rss:" => current.memory.rss_kib = value,
+            "Pss:" => current.memory.pss_kib = value,
             _ => {}
         }
     }
-    total
+    mappings
 }
 
 /// Where a benchmark ran, for its report.
@@ -190,7 +214,10 @@ Pss:                2048 kB
 Rss:                  12 kB
 Pss:                  12 kB
 ";
-        let guest = parse_smaps(smaps, |n| n.contains("mayfly-guest-ram"));
+        let mappings = parse_smaps(smaps);
+        let guest = sum(mappings
+            .iter()
+            .filter(|m| m.name.contains("mayfly-guest-ram")));
         assert_eq!(
             guest,
             MemoryUse {
@@ -198,13 +225,13 @@ Pss:                  12 kB
                 pss_kib: 2048
             }
         );
-        let all = parse_smaps(smaps, |_| true);
         assert_eq!(
-            all,
+            sum(mappings.iter()),
             MemoryUse {
                 rss_kib: 2160,
                 pss_kib: 2110
             }
         );
+        assert_eq!(mappings[2].name, "");
     }
 }

@@ -1,58 +1,68 @@
-//! Port I/O bus: routes a vCPU's `in`/`out` to the device that owns the port.
+//! The I/O buses: route a vCPU's port I/O (`in`/`out`) or MMIO access to the device that owns
+//! the address. One type serves both; ports are addresses below 0x10000.
 
 use std::sync::{Arc, Mutex};
 
-/// A device reachable through port I/O. `offset` is relative to the start of the device's range.
-pub trait PioDevice: Send {
+/// A device on a bus. `offset` is relative to the start of the device's range.
+pub trait BusDevice: Send {
     /// Fill `data` with what the guest reads at `offset`.
-    fn read(&mut self, offset: u16, data: &mut [u8]);
+    fn read(&mut self, offset: u64, data: &mut [u8]);
     /// Take what the guest writes at `offset`.
-    fn write(&mut self, offset: u16, data: &[u8]);
+    fn write(&mut self, offset: u64, data: &[u8]);
 }
 
 /// Error adding a device to the bus.
 #[derive(Debug, thiserror::Error)]
 pub enum BusError {
-    /// Two devices would own the same port.
-    #[error("I/O ports {base:#x}..{end:#x} overlap a device already on the bus")]
-    Overlap { base: u16, end: u32 },
-    /// A range of zero ports.
-    #[error("a device cannot own an empty range of I/O ports at {0:#x}")]
-    Empty(u16),
+    /// Two devices would own the same address.
+    #[error("addresses {base:#x}..{end:#x} overlap a device already on the bus")]
+    Overlap { base: u64, end: u64 },
+    /// A range of zero addresses.
+    #[error("a device cannot own an empty range at {0:#x}")]
+    Empty(u64),
 }
 
 struct Entry {
-    base: u16,
-    len: u16,
-    device: Arc<Mutex<dyn PioDevice>>,
+    base: u64,
+    len: u64,
+    device: Arc<Mutex<dyn BusDevice>>,
 }
 
-/// The port I/O bus. Ports nobody owns read as all ones and ignore writes, as on a PC.
+/// A bus. Addresses nobody owns read as all ones and ignore writes, as on a PC.
 #[derive(Default)]
-pub struct PioBus {
+pub struct Bus {
     // Few devices: a sorted vector beats a map here.
     entries: Vec<Entry>,
 }
 
-impl PioBus {
+/// The port I/O bus.
+pub type PioBus = Bus;
+/// The MMIO bus.
+pub type MmioBus = Bus;
+
+impl Bus {
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Give `device` the ports `base..base + len`.
+    /// Give `device` the addresses `base..base + len`.
     pub fn insert(
         &mut self,
-        base: u16,
-        len: u16,
-        device: Arc<Mutex<dyn PioDevice>>,
+        base: u64,
+        len: u64,
+        device: Arc<Mutex<dyn BusDevice>>,
     ) -> Result<(), BusError> {
         if len == 0 {
             return Err(BusError::Empty(base));
         }
-        let end = u32::from(base) + u32::from(len);
-        let overlaps = self.entries.iter().any(|e| {
-            u32::from(base) < u32::from(e.base) + u32::from(e.len) && u32::from(e.base) < end
-        });
+        let end = base.checked_add(len).ok_or(BusError::Overlap {
+            base,
+            end: u64::MAX,
+        })?;
+        let overlaps = self
+            .entries
+            .iter()
+            .any(|e| base < e.base + e.len && e.base < end);
         if overlaps {
             return Err(BusError::Overlap { base, end });
         }
@@ -61,17 +71,17 @@ impl PioBus {
         Ok(())
     }
 
-    fn find(&self, port: u16) -> Option<&Entry> {
-        let at = self.entries.partition_point(|e| e.base <= port);
+    fn find(&self, addr: u64) -> Option<&Entry> {
+        let at = self.entries.partition_point(|e| e.base <= addr);
         let entry = self.entries.get(at.checked_sub(1)?)?;
-        (u32::from(port) < u32::from(entry.base) + u32::from(entry.len)).then_some(entry)
+        (addr < entry.base + entry.len).then_some(entry)
     }
 
-    /// A guest `in`: returns false when no device owns the port (data is then all ones).
-    pub fn read(&self, port: u16, data: &mut [u8]) -> bool {
-        match self.find(port) {
+    /// A guest read: returns false when no device owns the address (data is then all ones).
+    pub fn read(&self, addr: u64, data: &mut [u8]) -> bool {
+        match self.find(addr) {
             Some(entry) => {
-                lock(&entry.device).read(port - entry.base, data);
+                lock(&entry.device).read(addr - entry.base, data);
                 true
             }
             None => {
@@ -81,11 +91,11 @@ impl PioBus {
         }
     }
 
-    /// A guest `out`: returns false when no device owns the port (the write is dropped).
-    pub fn write(&self, port: u16, data: &[u8]) -> bool {
-        match self.find(port) {
+    /// A guest write: returns false when no device owns the address (the write is dropped).
+    pub fn write(&self, addr: u64, data: &[u8]) -> bool {
+        match self.find(addr) {
             Some(entry) => {
-                lock(&entry.device).write(port - entry.base, data);
+                lock(&entry.device).write(addr - entry.base, data);
                 true
             }
             None => false,
@@ -107,14 +117,14 @@ mod tests {
 
     #[derive(Default)]
     struct Recorder {
-        writes: Vec<(u16, Vec<u8>)>,
+        writes: Vec<(u64, Vec<u8>)>,
     }
 
-    impl PioDevice for Recorder {
-        fn read(&mut self, offset: u16, data: &mut [u8]) {
+    impl BusDevice for Recorder {
+        fn read(&mut self, offset: u64, data: &mut [u8]) {
             data.fill(offset as u8);
         }
-        fn write(&mut self, offset: u16, data: &[u8]) {
+        fn write(&mut self, offset: u64, data: &[u8]) {
             self.writes.push((offset, data.to_vec()));
         }
     }

@@ -6,6 +6,7 @@
 pub mod bus;
 pub mod legacy;
 pub mod power;
+pub mod probe;
 
 /// What a guest asked of the machine through a device: the VMM ends (or restarts) the VM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -2,15 +2,15 @@
 //! control register (the guest powers off by entering S5), the sleep status register, and the
 //! reset register. The FADT mayfly writes points the guest at these ports.
 
-use crate::bus::PioDevice;
+use crate::bus::BusDevice;
 use crate::{PowerHandler, PowerRequest};
 
 /// Ports: 0x600 sleep control, 0x601 sleep status, 0x602 reset.
-pub const ACPI_POWER_PORT: u16 = 0x600;
-pub const ACPI_POWER_PORT_COUNT: u16 = 3;
-pub const SLEEP_CONTROL_OFFSET: u16 = 0;
-pub const SLEEP_STATUS_OFFSET: u16 = 1;
-pub const RESET_OFFSET: u16 = 2;
+pub const ACPI_POWER_PORT: u64 = 0x600;
+pub const ACPI_POWER_PORT_COUNT: u64 = 3;
+pub const SLEEP_CONTROL_OFFSET: u64 = 0;
+pub const SLEEP_STATUS_OFFSET: u64 = 1;
+pub const RESET_OFFSET: u64 = 2;
 /// The value the FADT tells the guest to write to the reset register.
 pub const RESET_VALUE: u8 = 0x1;
 /// The sleep type the DSDT's `\_S5` package gives: soft off.
@@ -30,13 +30,13 @@ impl AcpiPower {
     }
 }
 
-impl PioDevice for AcpiPower {
-    fn read(&mut self, _offset: u16, data: &mut [u8]) {
+impl BusDevice for AcpiPower {
+    fn read(&mut self, _offset: u64, data: &mut [u8]) {
         // Sleep status: never "woken", nothing pending. The other registers are write-only.
         data.fill(0);
     }
 
-    fn write(&mut self, offset: u16, data: &[u8]) {
+    fn write(&mut self, offset: u64, data: &[u8]) {
         let Some(&value) = data.first() else { return };
         match offset {
             SLEEP_CONTROL_OFFSET

@@ -348,6 +348,12 @@ impl Guest {
         }
     }
 
+    /// Wait until mayfly's stderr holds `pattern` (probe reports, trace lines); false on
+    /// timeout or if mayfly exits first.
+    pub fn wait_stderr(&self, pattern: &str, timeout: Duration) -> bool {
+        self.stderr.wait_for(pattern, 0, timeout).is_some()
+    }
+
     /// Wait until the console has printed anything at all; false on timeout.
     pub fn wait_any_output(&self, timeout: Duration) -> bool {
         self.stdout.wait_bytes(1, timeout)

@@ -5,7 +5,7 @@
 
 use std::sync::mpsc::channel;
 
-use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
+use kvm_bindings::{kvm_cpuid_entry2, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_memory::{Bytes, GuestAddress};
 
@@ -118,7 +118,7 @@ pub fn boot(config: &RunConfig) -> Result<Vm, BootError> {
     let devices = create_devices(&vm_fd, console_out, None, &event_sender)?;
     trace::event("devices_created");
 
-    let vcpu_fds = create_vcpus(&kvm, &vm_fd, config, &ram, kernel.mode)?;
+    let (vcpu_fds, cpuids) = create_vcpus(&kvm, &vm_fd, config, &ram, kernel.mode)?;
     // vCPU 0 starts at the kernel's entry (through the trace trampoline when tracing); the
     // others wait for the guest's INIT/SIPI.
     let first_rip = if config.boot_trace {
@@ -149,6 +149,7 @@ pub fn boot(config: &RunConfig) -> Result<Vm, BootError> {
         events,
         event_sender,
         caps,
+        cpuids,
         info: VmInfo {
             identity,
             next_clone: 0,
@@ -177,13 +178,14 @@ fn create_vcpus(
     config: &RunConfig,
     ram: &GuestRam,
     mode: EntryMode,
-) -> Result<Vec<VcpuFd>, BootError> {
+) -> Result<(Vec<VcpuFd>, Vec<Vec<kvm_cpuid_entry2>>), BootError> {
     let mut base_cpuid = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
         .map_err(kvm_err("report its supported CPUID"))?;
     config.cpu_template.apply(base_cpuid.as_mut_slice());
 
     let mut fds = Vec::with_capacity(usize::from(config.vcpus));
+    let mut cpuids = Vec::with_capacity(usize::from(config.vcpus));
     for index in 0..config.vcpus {
         let fd = vm_fd
             .create_vcpu(u64::from(index))
@@ -192,13 +194,14 @@ fn create_vcpus(
         set_vcpu_identity(&mut cpuid, index, config.vcpus);
         fd.set_cpuid2(&cpuid)
             .map_err(kvm_err("set the vCPU's CPUID"))?;
+        cpuids.push(cpuid.as_slice().to_vec());
         regs::setup_msrs(&fd)?;
         regs::setup_sregs(&ram.memory, &fd, mode)?;
         regs::setup_fpu(&fd)?;
         regs::setup_lapic(&fd)?;
         fds.push(fd);
     }
-    Ok(fds)
+    Ok((fds, cpuids))
 }
 
 /// A built-in template or one from a file.

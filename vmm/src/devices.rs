@@ -5,12 +5,13 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::VmFd;
-use mayfly_devices::bus::{BusError, PioBus};
+use mayfly_devices::bus::{BusError, MmioBus, PioBus};
 use mayfly_devices::legacy::i8042::{I8042_PORT, I8042_PORT_COUNT};
 use mayfly_devices::legacy::serial::SerialStateError;
 use mayfly_devices::legacy::serial::{ConsoleOut, COM1_IRQ, COM1_PORT, COM1_PORT_COUNT};
 use mayfly_devices::legacy::{SerialConsole, SerialConsoleState, I8042};
 use mayfly_devices::power::{AcpiPower, ACPI_POWER_PORT, ACPI_POWER_PORT_COUNT};
+use mayfly_devices::probe::{Probe, ProbeWaker, PROBE_ADDR, PROBE_SIZE};
 use mayfly_devices::PowerHandler;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -32,6 +33,9 @@ pub enum DeviceError {
 pub struct Devices {
     pub serial: Arc<Mutex<SerialConsole>>,
     pub pio: Arc<PioBus>,
+    pub mmio: Arc<MmioBus>,
+    /// Wakes the probe guest's waits, so a pause need not wait for them.
+    pub probe_waker: Arc<ProbeWaker>,
     /// Raises the ACPI Generic Event Device's interrupt: "the VM generation ID changed".
     pub ged: EventFd,
 }
@@ -76,9 +80,19 @@ pub fn create_devices(
         ACPI_POWER_PORT_COUNT,
         Arc::new(Mutex::new(AcpiPower::new(power_handler(events)))),
     )?;
+    // The probe guest's report device (guest-kernel/probe); other guests never touch it.
+    let mut mmio = MmioBus::new();
+    let probe_waker = Arc::new(ProbeWaker::default());
+    mmio.insert(
+        PROBE_ADDR,
+        PROBE_SIZE,
+        Arc::new(Mutex::new(Probe::new(probe_waker.clone()))),
+    )?;
     Ok(Devices {
         serial,
         pio: Arc::new(pio),
+        mmio: Arc::new(mmio),
+        probe_waker,
         ged,
     })
 }

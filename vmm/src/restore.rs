@@ -328,6 +328,7 @@ pub fn restore(config: &RestoreConfig) -> Result<Vm, RestoreError> {
         events,
         event_sender,
         caps,
+        cpuids: state.vcpus.iter().map(|v| v.cpuid.clone()).collect(),
         info: VmInfo {
             identity,
             next_clone: 0,

@@ -125,10 +125,11 @@ fn check_replaceable(dest: &Path) -> Result<(), SnapshotCreateError> {
 /// working set is left empty; the memory writer knows it.
 pub fn capture_state(vm: &Vm) -> Result<VmState, SnapshotCreateError> {
     let mut vcpus = Vec::with_capacity(vm.vcpus.len());
-    for vcpu in &vm.vcpus {
+    for (vcpu, cpuid) in vm.vcpus.iter().zip(&vm.cpuids) {
         let caps = vm.caps.clone();
+        let cpuid = cpuid.clone();
         let state = vcpu
-            .run_job(move |fd| kvm_state::save_vcpu(fd, &caps))
+            .run_job(move |fd| kvm_state::save_vcpu(fd, &caps, cpuid))
             .ok_or(SnapshotCreateError::VcpuGone(vcpu.index))??;
         vcpus.push(state);
     }

@@ -17,7 +17,7 @@ use kvm_bindings::{
     KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN,
 };
 use kvm_ioctls::{VcpuExit, VcpuFd};
-use mayfly_devices::bus::PioBus;
+use mayfly_devices::bus::{MmioBus, PioBus};
 use mayfly_devices::PowerRequest;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
@@ -101,6 +101,7 @@ impl VcpuControl {
 /// What the vCPU thread needs besides its fd.
 pub struct VcpuContext {
     pub pio: Arc<PioBus>,
+    pub mmio: Arc<MmioBus>,
     pub events: Sender<VmEvent>,
     pub trace: Option<trace::Breakpoints>,
 }
@@ -306,13 +307,17 @@ fn vcpu_loop(index: u8, mut vcpu: VcpuFd, context: &VcpuContext, control: &VcpuC
                 trace::event("first_instruction");
             }
             Ok(VcpuExit::IoOut(port, data)) => {
-                context.pio.write(port, data);
+                context.pio.write(u64::from(port), data);
             }
             Ok(VcpuExit::IoIn(port, data)) => {
-                context.pio.read(port, data);
+                context.pio.read(u64::from(port), data);
             }
-            Ok(VcpuExit::MmioRead(_, data)) => data.fill(0xff),
-            Ok(VcpuExit::MmioWrite(..)) => {}
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                context.mmio.read(addr, data);
+            }
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                context.mmio.write(addr, data);
+            }
             Ok(VcpuExit::Shutdown) => {
                 // A triple fault: how a PC resets when nothing else did (Linux's last resort
                 // with reboot=t), or a guest crashing hard. Say which state led there.

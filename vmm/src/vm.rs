@@ -212,6 +212,8 @@ pub struct Vm {
     pub events: Receiver<VmEvent>,
     pub event_sender: Sender<VmEvent>,
     pub caps: KvmCaps,
+    /// Each vCPU's CPUID, as mayfly set it.
+    pub cpuids: Vec<Vec<kvm_bindings::kvm_cpuid_entry2>>,
     pub info: VmInfo,
     pub paused: bool,
 }
@@ -410,6 +412,7 @@ impl Vm {
         for vcpu in &self.vcpus {
             vcpu.request_pause();
         }
+        self.devices.probe_waker.wake();
         for vcpu in &self.vcpus {
             if !vcpu.wait_paused() {
                 return Err(VmError::VcpuGone(vcpu.index));
@@ -436,6 +439,7 @@ impl Vm {
     ) -> std::io::Result<()> {
         let context = std::sync::Arc::new(crate::vcpu::VcpuContext {
             pio: self.devices.pio.clone(),
+            mmio: self.devices.mmio.clone(),
             events: self.event_sender.clone(),
             trace,
         });
@@ -474,6 +478,7 @@ impl Vm {
         for vcpu in &self.vcpus {
             vcpu.request_exit();
         }
+        self.devices.probe_waker.wake();
         // A vCPU blocked on guest memory that can no longer be served may never come out:
         // give up on it after a while (the process is about to end).
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);

@@ -1,14 +1,14 @@
 //! Just enough of the i8042 keyboard controller for `reboot=k`: the guest resets the machine by
 //! writing the "pulse reset line" command (0xfe) to the command port.
 
-use crate::bus::PioDevice;
+use crate::bus::BusDevice;
 use crate::{PowerHandler, PowerRequest};
 
 /// Data port 0x60 and command/status port 0x64; the device owns 0x60..=0x64.
-pub const I8042_PORT: u16 = 0x60;
-pub const I8042_PORT_COUNT: u16 = 5;
+pub const I8042_PORT: u64 = 0x60;
+pub const I8042_PORT_COUNT: u64 = 5;
 
-const COMMAND_OFFSET: u16 = 4;
+const COMMAND_OFFSET: u64 = 4;
 const CMD_PULSE_RESET: u8 = 0xfe;
 
 pub struct I8042 {
@@ -21,14 +21,14 @@ impl I8042 {
     }
 }
 
-impl PioDevice for I8042 {
+impl BusDevice for I8042 {
     /// No keyboard: status reads "input buffer empty, no output", data reads 0. Port 0x61
     /// (system control port B, between ours) also reads 0.
-    fn read(&mut self, _offset: u16, data: &mut [u8]) {
+    fn read(&mut self, _offset: u64, data: &mut [u8]) {
         data.fill(0);
     }
 
-    fn write(&mut self, offset: u16, data: &[u8]) {
+    fn write(&mut self, offset: u64, data: &[u8]) {
         if offset == COMMAND_OFFSET && data.first() == Some(&CMD_PULSE_RESET) {
             (self.on_reset)(PowerRequest::Reset);
         }

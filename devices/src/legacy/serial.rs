@@ -7,11 +7,11 @@ use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::bus::PioDevice;
+use crate::bus::BusDevice;
 
 /// The COM1 port base and its interrupt line.
-pub const COM1_PORT: u16 = 0x3f8;
-pub const COM1_PORT_COUNT: u16 = 8;
+pub const COM1_PORT: u64 = 0x3f8;
+pub const COM1_PORT_COUNT: u64 = 8;
 pub const COM1_IRQ: u32 = 4;
 
 /// Raises the UART's interrupt through an eventfd that KVM turns into IRQ 4 (an irqfd).
@@ -132,15 +132,15 @@ impl SerialConsole {
     }
 }
 
-impl PioDevice for SerialConsole {
-    fn read(&mut self, offset: u16, data: &mut [u8]) {
+impl BusDevice for SerialConsole {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
         data.fill(0);
         if let (Some(first), Ok(offset)) = (data.first_mut(), u8::try_from(offset)) {
             *first = self.uart.read(offset);
         }
     }
 
-    fn write(&mut self, offset: u16, data: &[u8]) {
+    fn write(&mut self, offset: u64, data: &[u8]) {
         let (Some(&value), Ok(offset)) = (data.first(), u8::try_from(offset)) else {
             return;
         };

@@ -52,12 +52,12 @@ fn sdt(signature: &[u8; 4], revision: u8, body: &[u8]) -> Vec<u8> {
 }
 
 /// A Generic Address Structure for a byte-wide register in I/O space.
-fn io_register(port: u16) -> [u8; 12] {
+fn io_register(port: u64) -> [u8; 12] {
     let mut gas = [0u8; 12];
     gas[0] = 1; // system I/O
     gas[1] = 8; // bit width
     gas[3] = 1; // byte access
-    gas[4..12].copy_from_slice(&u64::from(port).to_le_bytes());
+    gas[4..12].copy_from_slice(&port.to_le_bytes());
     gas
 }
 
@@ -117,7 +117,7 @@ fn dsdt() -> Vec<u8> {
             aml::name(
                 "_CRS",
                 &aml::resource_template(&[
-                    aml::io_ports(COM1_PORT, COM1_PORT_COUNT as u8),
+                    aml::io_ports(COM1_PORT as u16, COM1_PORT_COUNT as u8),
                     aml::irq(COM1_IRQ as u8),
                 ]),
             ),

@@ -6,7 +6,6 @@
 use kvm_bindings::{
     kvm_cpuid_entry2, kvm_irqchip, kvm_msr_entry, kvm_xsave, CpuId, Msrs, Xsave,
     KVM_CLOCK_REALTIME, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
-    KVM_MAX_CPUID_ENTRIES,
 };
 use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
 use mayfly_snapshot::{HostFingerprint, KvmVmState, VcpuState};
@@ -131,9 +130,15 @@ fn get_msrs(vcpu: &VcpuFd, index: &[u32]) -> Result<Vec<kvm_msr_entry>, StateErr
     Ok(saved)
 }
 
-/// Save a paused vCPU. Order: MP state first (reading it lets KVM accept pending INIT/SIPI
-/// events, which changes the rest), vCPU events last (other GETs can change what is pending).
-pub fn save_vcpu(vcpu: &VcpuFd, caps: &KvmCaps) -> Result<VcpuState, StateError> {
+/// Save a paused vCPU whose CPUID mayfly set to `cpuid` (kept rather than read back: some
+/// nested KVMs report the host's CPUID instead). Order: MP state first (reading it lets KVM
+/// accept pending INIT/SIPI events, which changes the rest), vCPU events last (other GETs can
+/// change what is pending).
+pub fn save_vcpu(
+    vcpu: &VcpuFd,
+    caps: &KvmCaps,
+    cpuid: Vec<kvm_cpuid_entry2>,
+) -> Result<VcpuState, StateError> {
     let mp_state = vcpu.get_mp_state().map_err(kvm_err("read the MP state"))?;
     let regs = vcpu.get_regs().map_err(kvm_err("read the registers"))?;
     let sregs = vcpu
@@ -171,11 +176,6 @@ pub fn save_vcpu(vcpu: &VcpuFd, caps: &KvmCaps) -> Result<VcpuState, StateError>
     } else {
         None
     };
-    let cpuid = vcpu
-        .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
-        .map_err(kvm_err("read the vCPU's CPUID"))?
-        .as_slice()
-        .to_vec();
     let msrs = get_msrs(vcpu, &caps.msr_index)?;
     let vcpu_events = vcpu
         .get_vcpu_events()

@@ -1,0 +1,548 @@
+//! The monitor's own latency on any KVM, measured with the probe guest (guest-kernel/probe):
+//! a freestanding guest that runs in user mode, where even a nested KVM that emulates guest
+//! kernel code runs it natively, and reports to mayfly's probe device.
+//!
+//! For each guest size and each share of memory touched after a restore (0, 1, 10, 100%):
+//! boot the probe, snapshot it (timing the snapshot), then restore it repeatedly in each memory
+//! mode (cow, lazy without and with prefetch of a recorded working set, eager) and time, from
+//! launch: the first `KVM_RUN` (the guest's first instruction follows at once), the first probe
+//! report (the guest noticed it was restored), and "verified" (every page it had to touch was
+//! read back and checked). Then fork a probe into N clones (running = the fork's answer; all
+//! reported = every clone's first report) and record each VMM's RSS without guest RAM.
+//!
+//! Writes JSON (`--out`) and an SVG plot of the distributions (`--plot`). `--quick` is the
+//! regression guard the test suite runs: small sizes, few repetitions, and checks instead of
+//! numbers (every page verified, no mismatch, clones diverged); it exits non-zero on failure.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Parser;
+use mayfly_benches::{monotonic_ns, ms_between as ms, smaps, sum, trace_events, Machine, Stats};
+use mayfly_tests::guest::{Guest, TestDir};
+use mayfly_vmm::api;
+use serde::Serialize;
+
+const PROBE_ELF: &str = env!("MAYFLY_PROBE_ELF");
+const TIMEOUT: Duration = Duration::from_secs(300);
+
+#[derive(Parser)]
+#[command(about = "Benchmark mayfly's restore and fork latency with the probe guest")]
+struct Args {
+    /// Guest sizes in MiB.
+    #[arg(long, value_delimiter = ',', default_value = "128,1024")]
+    mem_mib: Vec<u64>,
+    /// Percent of guest memory the probe reads back after a restore.
+    #[arg(long, value_delimiter = ',', default_value = "0,1,10,100")]
+    touch: Vec<u64>,
+    /// Repetitions of each restore.
+    #[arg(long, default_value_t = 10)]
+    runs: usize,
+    /// Clone counts to fork.
+    #[arg(long, value_delimiter = ',', default_value = "1,10,100")]
+    clones: Vec<u32>,
+    /// The regression guard: 128 MiB, 10% touched, 2 runs, 3 clones, checks only.
+    #[arg(long)]
+    quick: bool,
+    /// Write the JSON report here instead of stdout.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Write an SVG plot of the latency distributions here.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+/// Problems the regression guard looks for.
+#[derive(Default)]
+struct Checks(Vec<String>);
+
+impl Checks {
+    fn fail(&mut self, what: String) {
+        eprintln!("probe bench: CHECK FAILED: {what}");
+        self.0.push(what);
+    }
+}
+
+/// The probe's report lines: `mayfly-probe: <kind> <value> <ns>`, in order.
+fn probe_reports(stderr: &str) -> Vec<(String, u64, u64)> {
+    stderr
+        .lines()
+        .filter_map(|line| {
+            let mut w = line.split_whitespace();
+            match (w.next(), w.next(), w.next(), w.next()) {
+                (Some("mayfly-probe:"), Some(kind), Some(value), Some(ns)) => {
+                    Some((kind.to_string(), value.parse().ok()?, ns.parse().ok()?))
+                }
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+fn boot_probe(mem_mib: u64, touch: u64, sock: &Path) -> Guest {
+    let guest = Guest::start(&[
+        "run",
+        "--kernel",
+        PROBE_ELF,
+        "--mem-mib",
+        &mem_mib.to_string(),
+        "--cmdline",
+        &format!("touch={touch}"),
+        "--console",
+        "/dev/null",
+        "--api-sock",
+        &sock.to_string_lossy(),
+    ]);
+    assert!(
+        guest.wait_stderr("mayfly-probe: written", TIMEOUT),
+        "the probe did not boot: {}",
+        guest.stderr()
+    );
+    guest
+}
+
+fn request(
+    sock: &Path,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> serde_json::Value {
+    let (status, answer) = api::request_with_timeout(sock, method, path, body.as_ref(), TIMEOUT)
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    assert!(
+        (200..300).contains(&status),
+        "{method} {path}: HTTP {status} {answer}"
+    );
+    answer
+}
+
+/// Snapshot through the socket: pause, snapshot, and the report.
+fn snapshot(sock: &Path, dir: &Path) -> serde_json::Value {
+    request(sock, "PUT", "/vm/pause", None);
+    request(
+        sock,
+        "PUT",
+        "/vm/snapshot",
+        Some(serde_json::json!({ "path": dir })),
+    )
+}
+
+struct Restored {
+    first_kvm_run_ms: f64,
+    first_report_ms: f64,
+    verified_ms: f64,
+    mismatches: u64,
+    checksum: u64,
+    vmm_rss_kib: u64,
+}
+
+fn restore_once(snap: &Path, mode: &str, extra: &[&str], sock: Option<&Path>) -> (Restored, Guest) {
+    let launch = monotonic_ns();
+    let snap = snap.to_string_lossy();
+    let sock_arg = sock.map(|s| s.to_string_lossy().into_owned());
+    let mut args = vec![
+        "restore",
+        &snap,
+        "--memory",
+        mode,
+        "--console",
+        "/dev/null",
+        "--trace",
+    ];
+    args.extend_from_slice(extra);
+    if let Some(sock) = &sock_arg {
+        args.extend_from_slice(&["--api-sock", sock]);
+    }
+    let guest = Guest::start(&args);
+    assert!(
+        guest.wait_stderr("mayfly-probe: verified", TIMEOUT),
+        "the restored probe never verified its pages: {}",
+        guest.stderr()
+    );
+    let stderr = guest.stderr();
+    let events = trace_events(&stderr);
+    let reports = probe_reports(&stderr);
+    let at = |kind: &str| reports.iter().find(|r| r.0 == kind);
+    // Guest RAM is the one mapping as large as the guest (file-backed, memfd or anonymous).
+    let mappings = smaps(guest.pid()).unwrap_or_default();
+    let largest = mappings.iter().map(|m| m.size_kib).max().unwrap_or(0);
+    let total = sum(mappings.iter());
+    let ram = sum(mappings.iter().filter(|m| m.size_kib == largest));
+    let restored = Restored {
+        first_kvm_run_ms: events
+            .get("first_kvm_run")
+            .map(|&t| ms(launch, t))
+            .unwrap_or(f64::NAN),
+        first_report_ms: at("resumed").map(|r| ms(launch, r.2)).unwrap_or(f64::NAN),
+        verified_ms: at("verified").map(|r| ms(launch, r.2)).unwrap_or(f64::NAN),
+        mismatches: at("mismatch").map(|r| r.1).unwrap_or(0),
+        checksum: at("verified").map(|r| r.1).unwrap_or(0),
+        vmm_rss_kib: total.rss_kib.saturating_sub(ram.rss_kib),
+    };
+    (restored, guest)
+}
+
+#[derive(Serialize)]
+struct ModeResult {
+    size_mib: u64,
+    touch_percent: u64,
+    mode: String,
+    restore_to_first_instruction_ms: Stats,
+    restore_to_first_report_ms: Stats,
+    restore_to_all_verified_ms: Stats,
+    vmm_rss_kib: Stats,
+}
+
+#[derive(Serialize)]
+struct SnapshotResult {
+    size_mib: u64,
+    touch_percent: u64,
+    state_ms: f64,
+    memory_ms: f64,
+    total_ms: f64,
+    memory_bytes_written: u64,
+}
+
+#[derive(Serialize)]
+struct ForkResult {
+    clones: u32,
+    size_mib: u64,
+    request_to_running_ms: f64,
+    request_to_all_reported_ms: f64,
+    per_clone_ms: f64,
+    clones_diverged: bool,
+}
+
+#[derive(Serialize)]
+struct Report {
+    benchmark: &'static str,
+    machine: Machine,
+    probe: &'static str,
+    runs: usize,
+    snapshots: Vec<SnapshotResult>,
+    restores: Vec<ModeResult>,
+    forks: Vec<ForkResult>,
+}
+
+fn stats(samples: &[f64]) -> Stats {
+    Stats::of(samples).unwrap_or(Stats {
+        min: f64::NAN,
+        median: f64::NAN,
+        max: f64::NAN,
+        samples: 0,
+    })
+}
+
+fn bench_restores(
+    args: &Args,
+    size: u64,
+    touch: u64,
+    checks: &mut Checks,
+    snapshots: &mut Vec<SnapshotResult>,
+) -> Vec<ModeResult> {
+    let dir = TestDir::new(&format!("probe-{size}-{touch}"));
+    let sock = dir.join("p.sock");
+    let snap = dir.join("snap");
+    let mut guest = boot_probe(size, touch, &sock);
+    let report = snapshot(&sock, &snap);
+    snapshots.push(SnapshotResult {
+        size_mib: size,
+        touch_percent: touch,
+        state_ms: report["state_ms"].as_f64().unwrap_or(f64::NAN),
+        memory_ms: report["memory_ms"].as_f64().unwrap_or(f64::NAN),
+        total_ms: report["total_ms"].as_f64().unwrap_or(f64::NAN),
+        memory_bytes_written: report["memory_bytes_written"].as_u64().unwrap_or(0),
+    });
+    guest.signal(libc::SIGKILL);
+    guest.wait_exit(TIMEOUT);
+
+    // A snapshot whose working set a lazy restore recorded while the probe verified its pages.
+    let ws_snap = dir.join("snap-ws");
+    let ws_sock = dir.join("ws.sock");
+    {
+        let (_, mut g) = restore_once(&snap, "lazy", &["--no-prefetch"], Some(&ws_sock));
+        snapshot(&ws_sock, &ws_snap);
+        g.signal(libc::SIGKILL);
+        g.wait_exit(TIMEOUT);
+    }
+
+    let modes: [(&str, &str, &Path, &[&str]); 4] = [
+        ("cow", "cow", &snap, &[]),
+        ("lazy", "lazy", &snap, &["--no-prefetch"]),
+        ("lazy+prefetch", "lazy", &ws_snap, &[]),
+        ("eager", "eager", &snap, &[]),
+    ];
+    let mut results = Vec::new();
+    let mut checksum = None;
+    for (name, mode, path, extra) in modes {
+        eprintln!("probe bench: {size} MiB, {touch}% touched, restore {name}");
+        let runs: Vec<Restored> = (0..args.runs)
+            .map(|_| {
+                let (r, mut g) = restore_once(path, mode, extra, None);
+                g.signal(libc::SIGKILL);
+                g.wait_exit(TIMEOUT);
+                r
+            })
+            .collect();
+        for r in &runs {
+            if r.mismatches > 0 {
+                checks.fail(format!(
+                    "{size} MiB {name}: {} pages did not verify",
+                    r.mismatches
+                ));
+            }
+            if r.verified_ms.is_nan() {
+                checks.fail(format!("{size} MiB {name}: no verified report"));
+            }
+            match checksum {
+                None => checksum = Some(r.checksum),
+                Some(c) if c != r.checksum => checks.fail(format!(
+                    "{size} MiB {name}: checksum {} differs from another mode's {c}",
+                    r.checksum
+                )),
+                _ => {}
+            }
+        }
+        let pick = |f: fn(&Restored) -> f64| stats(&runs.iter().map(f).collect::<Vec<_>>());
+        results.push(ModeResult {
+            size_mib: size,
+            touch_percent: touch,
+            mode: name.to_string(),
+            restore_to_first_instruction_ms: pick(|r| r.first_kvm_run_ms),
+            restore_to_first_report_ms: pick(|r| r.first_report_ms),
+            restore_to_all_verified_ms: pick(|r| r.verified_ms),
+            vmm_rss_kib: pick(|r| r.vmm_rss_kib as f64),
+        });
+    }
+    results
+}
+
+fn bench_fork(count: u32, size: u64, checks: &mut Checks) -> ForkResult {
+    eprintln!("probe bench: fork into {count} clones");
+    let dir = TestDir::new(&format!("probe-fork-{count}"));
+    let sock = dir.join("p.sock");
+    let mut parent = boot_probe(size, 1, &sock);
+    let start = monotonic_ns();
+    let answer = request(
+        &sock,
+        "PUT",
+        "/vm/fork",
+        Some(serde_json::json!({ "count": count })),
+    );
+    let running = monotonic_ns();
+    let clones: Vec<(u32, PathBuf)> = answer["clones"]
+        .as_array()
+        .expect("clones")
+        .iter()
+        .map(|c| {
+            (
+                c["pid"].as_u64().unwrap() as u32,
+                PathBuf::from(c["console_log"].as_str().unwrap()),
+            )
+        })
+        .collect();
+    // A clone's stderr (its probe reports) goes to its console log.
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let mut first_reports = Vec::new();
+    for (_, log) in &clones {
+        loop {
+            let text =
+                String::from_utf8_lossy(&std::fs::read(log).unwrap_or_default()).into_owned();
+            if let Some(r) = probe_reports(&text).into_iter().find(|r| r.0 == "resumed") {
+                first_reports.push(r);
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a clone never reported: {}",
+                log.display()
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    let last = first_reports.iter().map(|r| r.2).max().unwrap_or(running);
+    let mut generations: Vec<u64> = first_reports.iter().map(|r| r.1).collect();
+    generations.sort();
+    generations.dedup();
+    let diverged = generations.len() == clones.len();
+    if !diverged {
+        checks.fail(format!(
+            "{count} clones: only {} distinct generation IDs",
+            generations.len()
+        ));
+    }
+    for (pid, _) in &clones {
+        // SAFETY: kill(2) on a clone this benchmark made.
+        unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+    }
+    parent.signal(libc::SIGKILL);
+    parent.wait_exit(TIMEOUT);
+    ForkResult {
+        clones: count,
+        size_mib: size,
+        request_to_running_ms: ms(start, running),
+        request_to_all_reported_ms: ms(start, last),
+        per_clone_ms: ms(start, running) / f64::from(count),
+        clones_diverged: diverged,
+    }
+}
+
+/// An SVG of each restore measure: one row per (size, touched, mode), a line from min to max
+/// and a mark at the median, on a log scale.
+fn plot(report: &Report) -> String {
+    let rows: Vec<(String, [&Stats; 3])> = report
+        .restores
+        .iter()
+        .map(|m| {
+            (
+                format!("{} MiB {:>3}% {}", m.size_mib, m.touch_percent, m.mode),
+                [
+                    &m.restore_to_first_instruction_ms,
+                    &m.restore_to_first_report_ms,
+                    &m.restore_to_all_verified_ms,
+                ],
+            )
+        })
+        .collect();
+    let (left, width, row_h, top) = (230.0, 620.0, 14.0, 40.0);
+    let (lo, hi) = (0.1f64.log10(), 10000f64.log10());
+    let x = |v: f64| left + (v.max(0.1).log10() - lo) / (hi - lo) * width;
+    let height = top + rows.len() as f64 * row_h + 40.0;
+    let mut svg = String::new();
+    let _ = write!(
+        svg,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{height}" font-family="monospace" font-size="10">"#,
+        left + width + 20.0
+    );
+    let _ = write!(
+        svg,
+        r#"<text x="10" y="15" font-size="12">mayfly restore latency with the probe guest ({}; min-max, dot = median; log scale, ms)</text>"#,
+        report.machine.kvm
+    );
+    let colours = ["#1f77b4", "#ff7f0e", "#2ca02c"];
+    let names = ["first instruction", "first report", "all verified"];
+    for (i, name) in names.iter().enumerate() {
+        let _ = write!(
+            svg,
+            r#"<text x="{}" y="30" fill="{}">{name}</text>"#,
+            left + i as f64 * 150.0,
+            colours[i]
+        );
+    }
+    for tick in [0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0] {
+        let tx = x(tick);
+        let _ = write!(
+            svg,
+            r##"<line x1="{tx}" y1="{top}" x2="{tx}" y2="{}" stroke="#ddd"/><text x="{}" y="{}">{tick}</text>"##,
+            height - 30.0,
+            tx - 8.0,
+            height - 18.0
+        );
+    }
+    for (r, (label, measures)) in rows.iter().enumerate() {
+        let y = top + r as f64 * row_h + 8.0;
+        let _ = write!(svg, r#"<text x="5" y="{}">{label}</text>"#, y + 3.0);
+        for (i, s) in measures.iter().enumerate() {
+            if s.samples == 0 {
+                continue;
+            }
+            let dy = y - 3.0 + i as f64 * 3.0;
+            let _ = write!(
+                svg,
+                r#"<line x1="{}" y1="{dy}" x2="{}" y2="{dy}" stroke="{}" stroke-width="2"/><circle cx="{}" cy="{dy}" r="2.2" fill="{}"/>"#,
+                x(s.min),
+                x(s.max),
+                colours[i],
+                x(s.median),
+                colours[i]
+            );
+        }
+    }
+    svg.push_str("</svg>\n");
+    svg
+}
+
+fn main() {
+    let mut args = Args::parse();
+    if args.quick {
+        args.mem_mib = vec![128];
+        args.touch = vec![10];
+        args.runs = 2;
+        args.clones = vec![3];
+    }
+    let mut checks = Checks::default();
+    let mut snapshots = Vec::new();
+    let mut restores = Vec::new();
+    for &size in &args.mem_mib {
+        for &touch in &args.touch {
+            restores.extend(bench_restores(
+                &args,
+                size,
+                touch,
+                &mut checks,
+                &mut snapshots,
+            ));
+        }
+    }
+    let forks: Vec<ForkResult> = args
+        .clones
+        .iter()
+        .map(|&n| bench_fork(n, 128, &mut checks))
+        .collect();
+    let report = Report {
+        benchmark: "probe",
+        machine: Machine::describe(),
+        probe: "guest-kernel/probe (user-mode loop, reports through mayfly's probe device)",
+        runs: args.runs,
+        snapshots,
+        restores,
+        forks,
+    };
+    let json = serde_json::to_string_pretty(&report).expect("the report serialises");
+    match &args.out {
+        Some(path) => std::fs::write(path, &json).expect("write the report"),
+        None => println!("{json}"),
+    }
+    if let Some(path) = &args.plot {
+        std::fs::write(path, plot(&report)).expect("write the plot");
+    }
+
+    eprintln!(
+        "\nprobe bench summary ({}; medians of {} runs; ms)",
+        report.machine.kvm, args.runs
+    );
+    for s in &report.snapshots {
+        eprintln!(
+            "  snapshot {:>4} MiB ({:>3}%): {:.1} ms (state {:.2}, memory {:.1}; {} MiB written)",
+            s.size_mib,
+            s.touch_percent,
+            s.total_ms,
+            s.state_ms,
+            s.memory_ms,
+            s.memory_bytes_written >> 20
+        );
+    }
+    for m in &report.restores {
+        eprintln!(
+            "  restore {:>4} MiB {:>3}% {:<14} first instruction {:>8.2}  first report {:>8.2}  all verified {:>9.2}  VMM RSS {:>6.0} KiB",
+            m.size_mib,
+            m.touch_percent,
+            m.mode,
+            m.restore_to_first_instruction_ms.median,
+            m.restore_to_first_report_ms.median,
+            m.restore_to_all_verified_ms.median,
+            m.vmm_rss_kib.median
+        );
+    }
+    for f in &report.forks {
+        eprintln!(
+            "  fork into {:>3}: running {:>8.1} ms ({:.2} ms per clone), all reported {:>8.1} ms, diverged: {}",
+            f.clones, f.request_to_running_ms, f.per_clone_ms, f.request_to_all_reported_ms, f.clones_diverged
+        );
+    }
+    if !checks.0.is_empty() {
+        eprintln!("probe bench: {} check(s) failed", checks.0.len());
+        std::process::exit(1);
+    }
+}

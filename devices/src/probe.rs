@@ -1,0 +1,151 @@
+//! The probe device: where mayfly's probe guest (guest-kernel/probe) reports what it did, so a
+//! benchmark can time a restore or a fork from the VMM's side on any KVM. Each report is a line
+//! on the VMM's stderr, `mayfly-probe: <kind> <value> <CLOCK_MONOTONIC ns>`, comparable with
+//! the benchmark's own clock. Other guests never touch it.
+//!
+//! Registers (MMIO, 64-bit): offset 8, the value; offset 0, the kind, which sends the report;
+//! offset 16, "wait": a read returns after [`WAIT_LIMIT`] or as soon as the VMM wakes it (to
+//! pause the VM), so an idle probe sleeps instead of spinning and a hundred idle clones do not
+//! starve the host.
+
+use std::io::Write;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use crate::bus::BusDevice;
+
+/// Where the probe device sits, in the MMIO gap below 4 GiB.
+pub const PROBE_ADDR: u64 = 0xd000_0000;
+pub const PROBE_SIZE: u64 = 0x1000;
+
+const KIND_OFFSET: u64 = 0;
+const VALUE_OFFSET: u64 = 8;
+const WAIT_OFFSET: u64 = 16;
+/// The longest a "wait" read blocks.
+pub const WAIT_LIMIT: Duration = Duration::from_millis(100);
+
+/// Ends the probe's waits early: the VMM wakes it before it pauses the vCPUs.
+#[derive(Default)]
+pub struct ProbeWaker {
+    wakeups: Mutex<u64>,
+    woken: Condvar,
+}
+
+impl ProbeWaker {
+    pub fn wake(&self) {
+        *self.wakeups.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        self.woken.notify_all();
+    }
+
+    fn wait(&self) {
+        let guard = self.wakeups.lock().unwrap_or_else(|p| p.into_inner());
+        let seen = *guard;
+        let _ = self
+            .woken
+            .wait_timeout_while(guard, WAIT_LIMIT, |n| *n == seen);
+    }
+}
+
+/// What a report says.
+pub fn kind_name(kind: u64) -> &'static str {
+    match kind {
+        1 => "booted",
+        2 => "written",
+        3 => "resumed",
+        4 => "verified",
+        5 => "mismatch",
+        _ => "unknown",
+    }
+}
+
+#[derive(Default)]
+pub struct Probe {
+    value: u64,
+    waker: Arc<ProbeWaker>,
+}
+
+impl Probe {
+    pub fn new(waker: Arc<ProbeWaker>) -> Self {
+        Self { value: 0, waker }
+    }
+}
+
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime fills the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn to_u64(data: &[u8]) -> u64 {
+    let mut bytes = [0u8; 8];
+    let n = data.len().min(8);
+    bytes[..n].copy_from_slice(&data[..n]);
+    u64::from_le_bytes(bytes)
+}
+
+impl BusDevice for Probe {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if offset == WAIT_OFFSET {
+            self.waker.wait();
+        }
+        data.fill(0);
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        match offset {
+            VALUE_OFFSET => self.value = to_u64(data),
+            KIND_OFFSET => {
+                let kind = to_u64(data);
+                let line = format!(
+                    "mayfly-probe: {} {} {}\n",
+                    kind_name(kind),
+                    self.value,
+                    monotonic_ns()
+                );
+                // One write per line, so reports from several vCPUs never interleave.
+                let _ = std::io::stderr().lock().write_all(line.as_bytes());
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_name_their_kind() {
+        assert_eq!(kind_name(3), "resumed");
+        assert_eq!(kind_name(99), "unknown");
+        let mut probe = Probe::default();
+        probe.write(VALUE_OFFSET, &42u64.to_le_bytes());
+        assert_eq!(probe.value, 42);
+        probe.write(VALUE_OFFSET, &[7]);
+        assert_eq!(probe.value, 7);
+    }
+
+    #[test]
+    fn waits_end_when_woken_or_after_the_limit() {
+        let waker = Arc::new(ProbeWaker::default());
+        let mut probe = Probe::new(waker.clone());
+        let start = std::time::Instant::now();
+        let mut data = [0u8; 8];
+        probe.read(WAIT_OFFSET, &mut data);
+        assert!(start.elapsed() >= WAIT_LIMIT);
+
+        let thread = std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            let mut data = [0u8; 8];
+            probe.read(WAIT_OFFSET, &mut data);
+            start.elapsed()
+        });
+        std::thread::sleep(Duration::from_millis(10));
+        waker.wake();
+        assert!(thread.join().unwrap() < WAIT_LIMIT);
+    }
+}
