@@ -102,6 +102,8 @@ impl Drop for TestDir {
 pub struct FileConsole {
     pub input: PathBuf,
     pub log: PathBuf,
+    /// The VMM, asked for a state dump (into the log) when a command gets no answer.
+    pub pid: Option<u32>,
     commands: u32,
 }
 
@@ -110,6 +112,7 @@ impl FileConsole {
         Self {
             input: input.into(),
             log: log.into(),
+            pid: None,
             commands: 0,
         }
     }
@@ -157,11 +160,19 @@ impl FileConsole {
                         .to_string();
                 }
             }
-            assert!(
-                Instant::now() < deadline,
-                "{command:?} got no answer within {COMMAND_TIMEOUT:?}; {} holds:\n{text}",
-                self.log.display()
-            );
+            if Instant::now() >= deadline {
+                if let Some(pid) = self.pid {
+                    // SAFETY: kill(2) asking the VMM for a state dump on its stderr (the log).
+                    unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
+                    std::thread::sleep(Duration::from_secs(2));
+                }
+                let all = String::from_utf8_lossy(&std::fs::read(&self.log).unwrap_or_default())
+                    .into_owned();
+                panic!(
+                    "{command:?} got no answer within {COMMAND_TIMEOUT:?}; {} holds:\n{all}",
+                    self.log.display()
+                );
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
     }

@@ -25,14 +25,13 @@ fn fork(sock: &str, count: u32, extra: &[&str]) -> Vec<(String, u32, FileConsole
         .unwrap()
         .iter()
         .map(|c| {
-            (
-                c["name"].as_str().unwrap().to_string(),
-                c["pid"].as_u64().unwrap() as u32,
-                FileConsole::new(
-                    c["console_input"].as_str().unwrap(),
-                    c["console_log"].as_str().unwrap(),
-                ),
-            )
+            let pid = c["pid"].as_u64().unwrap() as u32;
+            let mut console = FileConsole::new(
+                c["console_input"].as_str().unwrap(),
+                c["console_log"].as_str().unwrap(),
+            );
+            console.pid = Some(pid);
+            (c["name"].as_str().unwrap().to_string(), pid, console)
         })
         .collect()
 }

@@ -106,12 +106,14 @@ impl Drop for RawTerminal {
 }
 
 /// Type what arrives on stdin (with `Console::Stdio`) and in `input` (a file or FIFO, opened
-/// read-write so writers may come and go) into the guest's serial port.
+/// read-write so writers may come and go) into the guest's serial port, and keep its
+/// interrupts from stalling.
 pub fn connect_input(
     serial: &Arc<Mutex<SerialConsole>>,
     console: &Console,
     input: Option<&std::path::Path>,
 ) -> io::Result<()> {
+    spawn_uart_watchdog(serial)?;
     if *console == Console::Stdio {
         spawn_forwarder(serial.clone(), Box::new(io::stdin()))?;
     }
@@ -119,6 +121,28 @@ pub fn connect_input(
         let file = File::options().read(true).write(true).open(path)?;
         spawn_forwarder(serial.clone(), Box::new(file))?;
     }
+    Ok(())
+}
+
+/// How long a UART interrupt may stay pending, untouched by the guest, before it is raised again.
+const UART_STALL: Duration = Duration::from_millis(50);
+
+/// Watch the UART for interrupts the guest never took (see
+/// [`SerialConsole::kick_if_stalled`]) until the console goes away with the VM.
+pub fn spawn_uart_watchdog(serial: &Arc<Mutex<SerialConsole>>) -> io::Result<()> {
+    let serial = Arc::downgrade(serial);
+    std::thread::Builder::new()
+        .name("uart-watchdog".into())
+        .stack_size(crate::HELPER_THREAD_STACK)
+        .spawn(move || loop {
+            std::thread::sleep(UART_STALL);
+            let Some(serial) = serial.upgrade() else {
+                return;
+            };
+            if lock(&serial).kick_if_stalled(UART_STALL).is_err() {
+                return;
+            }
+        })?;
     Ok(())
 }
 

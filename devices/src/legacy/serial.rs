@@ -33,6 +33,8 @@ pub struct SerialConsole {
     uart: Serial<IrqEventFd, NoEvents, ConsoleOut>,
     /// Output errors are reported once, not on every byte.
     output_failed: bool,
+    /// When the guest last touched a register (see `kick_if_stalled`).
+    last_access: std::time::Instant,
 }
 
 /// The UART's registers and unread input, as a snapshot keeps them.
@@ -60,6 +62,7 @@ impl SerialConsole {
         Self {
             uart: Serial::new(IrqEventFd(irq), out),
             output_failed: false,
+            last_access: std::time::Instant::now(),
         }
     }
 
@@ -86,6 +89,7 @@ impl SerialConsole {
         Ok(Self {
             uart,
             output_failed: false,
+            last_access: std::time::Instant::now(),
         })
     }
 
@@ -126,6 +130,25 @@ impl SerialConsole {
         Ok(())
     }
 
+    /// A real UART holds its interrupt line up while an interrupt is pending; this one signals
+    /// an edge through an irqfd, and an edge can be lost (one that was in flight when the VM was
+    /// snapshotted, or one the guest's interrupt controller merged away). Then the guest waits
+    /// forever with the UART showing an interrupt it never took: the console freezes. If an
+    /// interrupt has been pending for `stall` without the guest touching the UART, raise it
+    /// again; a spurious one costs the guest a register read. Returns whether it did.
+    pub fn kick_if_stalled(&mut self, stall: std::time::Duration) -> io::Result<bool> {
+        if self.last_access.elapsed() < stall {
+            return Ok(false);
+        }
+        const IIR_NO_INTERRUPT: u8 = 0x01;
+        if self.uart.state().interrupt_identification & IIR_NO_INTERRUPT != 0 {
+            return Ok(false);
+        }
+        self.last_access = std::time::Instant::now();
+        self.uart.interrupt_evt().trigger()?;
+        Ok(true)
+    }
+
     /// Room left in the receive FIFO.
     pub fn input_capacity(&self) -> usize {
         self.uart.fifo_capacity()
@@ -134,6 +157,7 @@ impl SerialConsole {
 
 impl BusDevice for SerialConsole {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
+        self.last_access = std::time::Instant::now();
         data.fill(0);
         if let (Some(first), Ok(offset)) = (data.first_mut(), u8::try_from(offset)) {
             *first = self.uart.read(offset);
@@ -141,6 +165,7 @@ impl BusDevice for SerialConsole {
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
+        self.last_access = std::time::Instant::now();
         let (Some(&value), Ok(offset)) = (data.first(), u8::try_from(offset)) else {
             return;
         };
@@ -228,6 +253,30 @@ mod tests {
         console.read(2, &mut iir); // the guest reads IIR: no longer pending
         console.raise_pending_interrupt().unwrap();
         assert!(irq.read().is_err());
+    }
+
+    #[test]
+    fn a_stalled_interrupt_is_raised_again_and_only_then() {
+        let stall = std::time::Duration::from_millis(20);
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut console = SerialConsole::new(irq.try_clone().unwrap(), Box::new(io::sink()));
+        console.write(1, &[0x02]); // THRE interrupt enabled: pending at once
+        while irq.read().is_ok() {}
+        assert!(
+            !console.kick_if_stalled(stall).unwrap(),
+            "the guest just touched it"
+        );
+        std::thread::sleep(stall);
+        assert!(console.kick_if_stalled(stall).unwrap());
+        assert_eq!(irq.read().unwrap(), 1);
+        assert!(
+            !console.kick_if_stalled(stall).unwrap(),
+            "not again right away"
+        );
+        let mut iir = [0u8];
+        console.read(2, &mut iir); // taken: nothing pending any more
+        std::thread::sleep(stall);
+        assert!(!console.kick_if_stalled(stall).unwrap());
     }
 
     #[test]
