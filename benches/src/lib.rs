@@ -35,16 +35,9 @@ impl Stats {
     }
 }
 
-/// CLOCK_MONOTONIC in nanoseconds, the clock `mayfly --boot-trace` stamps its events with.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime fills the timespec we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+/// CLOCK_MONOTONIC in nanoseconds, the clock `mayfly --boot-trace` and the probe device stamp
+/// their lines with.
+pub use mayfly_vmm::trace::monotonic_ns;
 
 /// Milliseconds between two CLOCK_MONOTONIC stamps.
 pub fn ms_between(from: u64, to: u64) -> f64 {

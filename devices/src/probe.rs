@@ -70,7 +70,9 @@ impl Probe {
     }
 }
 
-fn monotonic_ns() -> u64 {
+/// CLOCK_MONOTONIC in nanoseconds: what probe reports (and mayfly's trace lines) are stamped
+/// with, a number another process on the host can compare with its own clock.
+pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

@@ -19,17 +19,7 @@ pub fn enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
-/// CLOCK_MONOTONIC in nanoseconds: the clock `Instant` uses, as a number another process can
-/// compare.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into the timespec we own; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+pub use mayfly_devices::probe::monotonic_ns;
 
 /// Port the boot trampoline writes to: "the guest runs its first instruction".
 pub const TRACE_PORT: u16 = 0x440;
