@@ -39,6 +39,20 @@ impl Stats {
 /// their lines with.
 pub use mayfly_vmm::trace::monotonic_ns;
 
+/// Write a benchmark's JSON report to `out`, or stdout without one; exits on failure.
+pub fn emit_report(bench: &str, report: &impl Serialize, out: Option<&std::path::Path>) {
+    let json = serde_json::to_string_pretty(report).expect("reports serialise");
+    match out {
+        Some(path) => {
+            if let Err(e) = std::fs::write(path, &json) {
+                eprintln!("{bench} bench: cannot write {}: {e}", path.display());
+                std::process::exit(1);
+            }
+        }
+        None => println!("{json}"),
+    }
+}
+
 /// Milliseconds between two CLOCK_MONOTONIC stamps.
 pub fn ms_between(from: u64, to: u64) -> f64 {
     to.saturating_sub(from) as f64 / 1e6

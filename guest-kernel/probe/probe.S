@@ -224,29 +224,14 @@ pml4:
     .quad pdpt + 0x7
     .fill 511, 8, 0
 pdpt:
-    .quad pd0 + 0x7
-    .quad pd1 + 0x7
-    .quad pd2 + 0x7
-    .quad pd3 + 0x7
+    .quad pd + 0x0000 + 0x7
+    .quad pd + 0x1000 + 0x7
+    .quad pd + 0x2000 + 0x7
+    .quad pd + 0x3000 + 0x7
     .fill 508, 8, 0
-pd0:
+pd:                                     /* four page directories, one after the other */
     .set i, 0
-    .rept 512
-    .quad (i << 21) + 0x87
-    .set i, i + 1
-    .endr
-pd1:
-    .rept 512
-    .quad (i << 21) + 0x87
-    .set i, i + 1
-    .endr
-pd2:
-    .rept 512
-    .quad (i << 21) + 0x87
-    .set i, i + 1
-    .endr
-pd3:
-    .rept 512
+    .rept 2048
     .quad (i << 21) + 0x87
     .set i, i + 1
     .endr

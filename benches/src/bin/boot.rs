@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use clap::Parser;
 use mayfly_benches::ms_between as ms;
-use mayfly_benches::{monotonic_ns, smaps_memory, trace_events, Machine, MemoryUse, Stats};
+use mayfly_benches::{
+    emit_report, monotonic_ns, smaps_memory, trace_events, Machine, MemoryUse, Stats,
+};
 use mayfly_tests::guest::{guest_artifact, mayfly_bin, Guest};
 use mayfly_vmm::config::DEFAULT_CMDLINE;
 use serde::Serialize;
@@ -257,16 +259,7 @@ fn main() {
         ),
         baseline,
     };
-    let json = serde_json::to_string_pretty(&report).expect("the report serialises");
-    match &args.out {
-        Some(path) => {
-            if let Err(e) = std::fs::write(path, &json) {
-                eprintln!("boot bench: cannot write {}: {e}", path.display());
-                std::process::exit(1);
-            }
-        }
-        None => println!("{json}"),
-    }
+    emit_report("boot", &report, args.out.as_deref());
 
     eprintln!(
         "\nboot bench summary ({}; medians over {} runs)",

@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
-use mayfly_benches::{monotonic_ns, ms_between as ms, smaps_memory, Machine, MemoryUse, Stats};
+use mayfly_benches::{
+    emit_report, monotonic_ns, ms_between as ms, smaps_memory, Machine, MemoryUse, Stats,
+};
 use mayfly_tests::guest::{FileConsole, Guest, TestDir};
 use mayfly_vmm::api;
 use serde::Serialize;
@@ -212,14 +214,7 @@ fn main() {
         guest_mem_mib: args.mem_mib,
         runs,
     };
-    let json = serde_json::to_string_pretty(&report).expect("the report serialises");
-    match &args.out {
-        Some(path) => std::fs::write(path, &json).unwrap_or_else(|e| {
-            eprintln!("fork bench: cannot write {}: {e}", path.display());
-            std::process::exit(1)
-        }),
-        None => println!("{json}"),
-    }
+    emit_report("fork", &report, args.out.as_deref());
     eprintln!(
         "\nfork bench summary ({}, {} MiB guest)",
         report.machine.kvm, args.mem_mib

@@ -19,7 +19,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
-use mayfly_benches::{monotonic_ns, ms_between as ms, smaps, sum, trace_events, Machine, Stats};
+use mayfly_benches::{
+    emit_report, monotonic_ns, ms_between as ms, smaps, sum, trace_events, Machine, Stats,
+};
 use mayfly_tests::guest::{Guest, TestDir};
 use mayfly_vmm::api;
 use serde::Serialize;
@@ -499,11 +501,7 @@ fn main() {
         restores,
         forks,
     };
-    let json = serde_json::to_string_pretty(&report).expect("the report serialises");
-    match &args.out {
-        Some(path) => std::fs::write(path, &json).expect("write the report"),
-        None => println!("{json}"),
-    }
+    emit_report("probe", &report, args.out.as_deref());
     if let Some(path) = &args.plot {
         std::fs::write(path, plot(&report)).expect("write the plot");
     }

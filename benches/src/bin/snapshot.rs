@@ -17,7 +17,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use mayfly_benches::{
-    monotonic_ns, ms_between as ms, smaps_memory, trace_events, Machine, MemoryUse, Stats,
+    emit_report, monotonic_ns, ms_between as ms, smaps_memory, trace_events, Machine, MemoryUse,
+    Stats,
 };
 use mayfly_tests::guest::{Guest, TestDir};
 use mayfly_vmm::api;
@@ -354,14 +355,7 @@ fn main() {
         snapshot_dir_fs: format!("{} (tmpfs in the rig)", std::env::temp_dir().display()),
         sizes,
     };
-    let json = serde_json::to_string_pretty(&report).expect("the report serialises");
-    match &args.out {
-        Some(path) => std::fs::write(path, &json).unwrap_or_else(|e| {
-            eprintln!("snapshot bench: cannot write {}: {e}", path.display());
-            std::process::exit(1)
-        }),
-        None => println!("{json}"),
-    }
+    emit_report("snapshot", &report, args.out.as_deref());
 
     eprintln!(
         "\nsnapshot bench summary ({}; medians over {} runs)",
