@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Gets a fresh Debian 12 machine (as root) ready to build, run and test mayfly:
-#   1. Debian packages: kernel source and build tools, busybox, QEMU (for the test rig), clang
-#      headers for the userfaultfd bindings;
-#   2. the guest kernel and initramfs, and the test rig's L1 kernel and initramfs, each built
-#      once and cached by a hash of its inputs under $MAYFLY_CACHE (default ~/.cache/mayfly);
+#   1. Debian packages: kernel source and build tools, busybox, QEMU and its firmware from
+#      bookworm-backports (for the test rig), clang headers for the userfaultfd bindings;
+#   2. the guest kernel and initramfs, and the test rig's L1 kernel, initramfs and patched QEMU,
+#      each built once and cached by a hash of its inputs under $MAYFLY_CACHE (default
+#      ~/.cache/mayfly);
 #   3. mayfly itself (release build, with the default guest built in).
 # Every step is skipped when already done, so running it again takes seconds.
 set -euo pipefail
@@ -11,9 +12,28 @@ cd "$(dirname "$0")/.."
 
 say() { echo "setup: $*" >&2; }
 
+# The test rig runs QEMU from bookworm-backports: its firmware packages, and the source package
+# tests/rig/qemu/build.sh patches and builds. Add the suite (binaries and sources) if apt lacks it.
+suites=$(apt-get indextargets --no-release-info --format '$(RELEASE) $(TARGET_OF)' 2>/dev/null || true)
+for type in deb deb-src; do
+    grep -qxF "bookworm-backports $type" <<< "$suites" && continue
+    file=/etc/apt/sources.list.d/bookworm-backports.sources
+    [ "$type" = deb ] || file=/etc/apt/sources.list.d/bookworm-backports-src.sources
+    [ ! -e "$file" ] || { say "$file exists but apt has no bookworm-backports $type entry: fix it"; exit 1; }
+    [ "$(id -u)" -eq 0 ] || { say "adding $file needs root"; exit 1; }
+    say "adding $file"
+    cat > "$file" <<EOF
+Types: $type
+URIs: http://deb.debian.org/debian
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOF
+done
+
 packages=(
     linux-source-6.1 build-essential flex bison bc libelf-dev libssl-dev cpio xz-utils
-    busybox-static qemu-system-x86 libclang-dev util-linux python3
+    busybox-static libclang-dev util-linux python3
 )
 missing=()
 for p in "${packages[@]}"; do
@@ -25,6 +45,24 @@ if [ ${#missing[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# QEMU 10 and the firmware it loads (BIOS, option ROMs), from bookworm-backports (Debian 12's own
+# QEMU is 7.2).
+qemu_packages=(qemu-system-x86 qemu-system-data seabios ipxe-qemu)
+missing=()
+for p in "${qemu_packages[@]}"; do
+    version=$(dpkg-query -W -f='${Status} ${Version}' "$p" 2>/dev/null | sed -n 's/^install ok installed //p' || true)
+    case "$p" in
+        qemu-*) [ -n "$version" ] && dpkg --compare-versions "$version" ge 1:10 ;;
+        *) [ -n "$version" ] ;;
+    esac || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    [ "$(id -u)" -eq 0 ] || { say "installing ${missing[*]} from bookworm-backports needs root"; exit 1; }
+    say "installing ${missing[*]} from bookworm-backports"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends -t bookworm-backports "${missing[@]}" >/dev/null
 fi
 command -v cargo >/dev/null || { say "cargo is missing: install Rust (https://rustup.rs), then run this again"; exit 1; }
 
@@ -38,6 +76,7 @@ cargo build --release --workspace --bins --quiet
 if [ "$(target/release/mayfly-rig where)" = rig ]; then
     guest-kernel/build.sh rig-l1 >/dev/null
     rootfs/build.sh rig-l1 >/dev/null
+    tests/rig/qemu/build.sh >/dev/null
     say "ready: target/release/mayfly (this host's KVM cannot run Linux: guests run in the test rig)"
 else
     say "ready: target/release/mayfly"

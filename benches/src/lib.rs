@@ -3,11 +3,13 @@
 
 use serde::Serialize;
 
-/// Min, median and max of a set of samples (milliseconds unless the field says otherwise).
+/// Min, median, 99th percentile (nearest rank) and max of a set of samples (milliseconds unless
+/// the field says otherwise).
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Stats {
     pub min: f64,
     pub median: f64,
+    pub p99: f64,
     pub max: f64,
     pub samples: usize,
 }
@@ -26,9 +28,12 @@ impl Stats {
         } else {
             (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
         };
+        // Nearest rank: the smallest sample with at least 99% of them at or below it.
+        let rank = (n * 99).div_ceil(100).max(1);
         Some(Stats {
             min: sorted[0],
             median,
+            p99: sorted[rank - 1],
             max: sorted[n - 1],
             samples: n,
         })
@@ -206,6 +211,15 @@ mod tests {
         let s = Stats::of(&[3.0, 1.0, 2.0]).unwrap();
         assert_eq!((s.min, s.median, s.max, s.samples), (1.0, 2.0, 3.0, 3));
         assert_eq!(Stats::of(&[4.0, 1.0, 2.0, 3.0]).unwrap().median, 2.5);
+    }
+
+    #[test]
+    fn p99_is_the_nearest_rank() {
+        let samples: Vec<f64> = (1..=200).map(f64::from).collect();
+        assert_eq!(Stats::of(&samples).unwrap().p99, 198.0);
+        assert_eq!(Stats::of(&[5.0]).unwrap().p99, 5.0);
+        let hundred: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(Stats::of(&hundred).unwrap().p99, 99.0);
     }
 
     #[test]

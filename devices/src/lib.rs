@@ -4,9 +4,12 @@
 //! saved state, when it has one, is defined next to the device so snapshots stay in step with it.
 
 pub mod bus;
+pub mod disk;
 pub mod legacy;
+pub mod persist;
 pub mod power;
 pub mod probe;
+pub mod virtio;
 
 /// What a guest asked of the machine through a device: the VMM ends (or restarts) the VM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

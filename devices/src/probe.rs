@@ -54,6 +54,7 @@ pub fn kind_name(kind: u64) -> &'static str {
         3 => "resumed",
         4 => "verified",
         5 => "mismatch",
+        6 => "waiting",
         _ => "unknown",
     }
 }

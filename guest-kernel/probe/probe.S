@@ -33,6 +33,7 @@
 #define REPORT_RESUMED  3
 #define REPORT_VERIFIED 4
 #define REPORT_MISMATCH 5
+#define REPORT_WAITING  6
 
     .code64
     .text
@@ -149,6 +150,10 @@ user_main:
     mov     $VMGENID, %rax
     mov     (%rax), %rax
     mov     %rax, generation(%rip)
+    /* From here on a snapshot's restore is noticed: say so, so nobody snapshots earlier. */
+    mov     $REPORT_WAITING, %edi
+    mov     %rax, %rsi
+    call    report
 
     /* 2. Wait for a new generation. */
 wait:

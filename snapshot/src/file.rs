@@ -11,10 +11,12 @@ use serde::{Deserialize, Serialize};
 use crate::state::HostFingerprint;
 
 pub const MAGIC: [u8; 8] = *b"MAYFLYSN";
-/// Bumped whenever the encoding of the header or the state changes.
-pub const FORMAT_VERSION: u32 = 1;
-/// Decoding never allocates beyond this, whatever a damaged length field says.
-const DECODE_LIMIT: usize = 256 << 20;
+/// Bumped whenever the encoding of the header or the state changes (the golden-file test in
+/// `state.rs` fails when it changes without a bump).
+pub const FORMAT_VERSION: u32 = 2;
+/// Decoding never allocates beyond this, whatever a damaged length field says: no more than
+/// the largest state file holds.
+const DECODE_LIMIT: usize = crate::open::MAX_STATE_BYTES as usize;
 
 /// What a snapshot was taken on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -63,6 +65,12 @@ pub enum SnapshotError {
     },
     #[error("cannot encode the snapshot state: {0}")]
     Encode(String),
+    #[error("cannot open {path}: {reason}")]
+    Open { path: String, reason: String },
+    #[error("{path} is {len} bytes, more than a mayfly state file can be ({max}): it is not a snapshot state file")]
+    TooLarge { path: String, len: u64, max: u64 },
+    #[error("the snapshot's memory file {path} does not match its state: {reason}")]
+    MemoryMismatch { path: String, reason: String },
 }
 
 fn config() -> impl bincode::config::Config {
@@ -172,12 +180,20 @@ pub fn write_state_file<B: Serialize>(
     file.sync_all().map_err(err)
 }
 
+/// Read and decode a state file at `path`, which must be a regular file of at most
+/// [`crate::open::MAX_STATE_BYTES`].
 pub fn read_state_file<B: DeserializeOwned>(path: &Path) -> Result<(Header, B), SnapshotError> {
-    let bytes = std::fs::read(path).map_err(|source| SnapshotError::Read {
-        path: path.display().to_string(),
-        source,
-    })?;
-    decode(&bytes, &path.display().to_string())
+    let file = crate::open::open_regular(path)?;
+    read_state(&file, path)
+}
+
+/// Read and decode an open state file (named `shown` in errors).
+pub fn read_state<B: DeserializeOwned>(
+    file: &std::fs::File,
+    shown: &Path,
+) -> Result<(Header, B), SnapshotError> {
+    let bytes = crate::open::read_capped(file, shown)?;
+    decode(&bytes, &shown.display().to_string())
 }
 
 #[cfg(test)]

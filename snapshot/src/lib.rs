@@ -6,16 +6,25 @@
 //!   interrupt controllers and timer, KVM clock, devices, memory layout), then a checksum of
 //!   everything before it ([`file`]).
 //! - `memory`: guest RAM, byte for byte at the offsets the memory layout gives, written
-//!   sparse (pages of zeros are holes).
+//!   sparse (pages of zeros are holes), then a one-page trailer naming the snapshot
+//!   ([`trailer`]).
 //!
 //! Devices define their saved state next to themselves (`mayfly_devices`); this crate ties the
 //! pieces together and reads and writes the state file.
 
 pub mod file;
+pub mod open;
 pub mod state;
+pub mod trailer;
 
-pub use file::{read_state_file, write_state_file, Header, SnapshotError, FORMAT_VERSION};
-pub use state::{HostFingerprint, KvmVmState, MemoryRange, VcpuState, VmState};
+pub use file::{
+    read_state, read_state_file, write_state_file, Header, SnapshotError, FORMAT_VERSION,
+};
+pub use open::{open_regular, SnapshotDir, MAX_STATE_BYTES};
+pub use state::{
+    HostFingerprint, IdentityState, KvmVmState, MemoryRange, VcpuState, VmState, MAX_WORKING_SET,
+};
+pub use trailer::{check_trailer, memory_file_len, write_trailer, TRAILER_BYTES};
 
 /// The state file's name inside a snapshot directory.
 pub const STATE_FILE: &str = "state";

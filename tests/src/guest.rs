@@ -154,10 +154,7 @@ impl FileConsole {
             let text = String::from_utf8_lossy(&text[start.min(text.len())..]).into_owned();
             if let Some(b) = text.find(&begin) {
                 if let Some(e) = text[b..].find(&end) {
-                    return text[b + begin.len()..b + e]
-                        .replace('\r', "")
-                        .trim()
-                        .to_string();
+                    return without_agent_log(&text[b + begin.len()..b + e]);
                 }
             }
             if Instant::now() >= deadline {
@@ -278,6 +275,19 @@ impl Capture {
             captured = cond.wait_timeout(captured, deadline - now).unwrap().0;
         }
     }
+}
+
+/// A command's console output, trimmed, without the lines the guest agent logs to the console
+/// on its own schedule ("mayfly-agent: listening on vsock port 52" can land between a command's
+/// markers: a boot test once read it as the command's output).
+fn without_agent_log(text: &str) -> String {
+    text.replace('\r', "")
+        .lines()
+        .filter(|line| !line.starts_with("mayfly-agent: "))
+        .collect::<Vec<_>>()
+        .join("\n")
+        .trim()
+        .to_string()
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
@@ -410,11 +420,7 @@ impl Guest {
         ));
         self.expect(&format!("@@begin-{n}@@"), COMMAND_TIMEOUT);
         let output = self.expect(&format!("@@end-{n}@@"), COMMAND_TIMEOUT);
-        output
-            .trim_end_matches(&format!("@@end-{n}@@"))
-            .replace('\r', "")
-            .trim()
-            .to_string()
+        without_agent_log(output.trim_end_matches(&format!("@@end-{n}@@")))
     }
 
     /// Wait for the process to end.
@@ -453,5 +459,21 @@ impl Drop for Guest {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_agent_log;
+
+    #[test]
+    fn the_agents_console_log_is_not_command_output() {
+        assert_eq!(
+            without_agent_log("\r\nmayfly-agent: listening on vsock port 52\r\n0-1\r\n"),
+            "0-1"
+        );
+        assert_eq!(without_agent_log("a\nb\n"), "a\nb");
+        // Only whole lines the agent starts are dropped.
+        assert_eq!(without_agent_log("x mayfly-agent: y"), "x mayfly-agent: y");
     }
 }

@@ -50,8 +50,9 @@ pub const EXIT_STOPPED: i32 = 130;
 /// Exit code of the `mayfly-rig` CLI when the rig itself failed (no exit status from the command).
 pub const EXIT_RIG_FAILED: i32 = 125;
 
-const QEMU: &str = "qemu-system-x86_64";
 const FLAVOUR: &str = "rig-l1";
+/// Builds the rig's patched QEMU; with `--check` it only prints the cached build's path.
+const QEMU_BUILD_SCRIPT: &str = "tests/rig/qemu/build.sh";
 
 /// Where a real `/dev/kvm` (one that runs a Linux guest to user space) is found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -130,9 +131,11 @@ pub fn detect_kvm_location(sys_module: &Path, dev_kvm: &Path) -> KvmLocation {
 pub enum RigError {
     #[error("no command given: put the command to run inside L1 after `--`")]
     EmptyCommand,
-    #[error("{QEMU} not found in PATH: apt-get install qemu-system-x86 (or set MAYFLY_RIG_QEMU to its path)")]
-    QemuNotFound,
-    #[error("cannot start {qemu}: {source} (is qemu-system-x86 installed? apt-get install qemu-system-x86)")]
+    #[error("the rig's patched QEMU is not built ({reason}): run {script} (as root; it builds once, about 5 min on 2 cores) or scripts/setup.sh, or set MAYFLY_RIG_QEMU to another qemu-system-x86_64 (Debian's has an SVM bug that deadlocks L2 guests)")]
+    QemuNotBuilt { script: PathBuf, reason: String },
+    #[error(
+        "cannot start {qemu}: {source} (run {QEMU_BUILD_SCRIPT} again, or check MAYFLY_RIG_QEMU)"
+    )]
     QemuSpawn {
         qemu: PathBuf,
         #[source]
@@ -239,7 +242,8 @@ pub struct RigOptions {
     pub kernel: Option<PathBuf>,
     /// L1 initramfs; default `$MAYFLY_RIG_INITRD`, else built by `rootfs/build.sh rig-l1`.
     pub initrd: Option<PathBuf>,
-    /// QEMU binary; default `$MAYFLY_RIG_QEMU`, else `qemu-system-x86_64` from `PATH`.
+    /// QEMU binary; default `$MAYFLY_RIG_QEMU`, else the patched build of `tests/rig/qemu/build.sh`
+    /// ([`qemu_binary`]).
     pub qemu: Option<PathBuf>,
     /// L1 kernel `loglevel=` (its log goes to `l1-kernel.log`, never to the output).
     pub kernel_loglevel: u8,
@@ -462,18 +466,57 @@ fn describe_status(status: ExitStatus) -> String {
 }
 
 fn find_qemu(opts: &RigOptions) -> Result<PathBuf, RigError> {
-    if let Some(path) = opts
-        .qemu
-        .clone()
-        .or_else(|| std::env::var_os("MAYFLY_RIG_QEMU").map(PathBuf::from))
-    {
-        return Ok(path);
+    match &opts.qemu {
+        Some(path) => Ok(path.clone()),
+        None => qemu_binary(),
     }
-    let path = std::env::var_os("PATH").unwrap_or_else(|| OsString::from("/usr/bin:/bin"));
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(QEMU))
-        .find(|candidate| candidate.is_file())
-        .ok_or(RigError::QemuNotFound)
+}
+
+static PATCHED_QEMU: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+/// The QEMU the rig runs unless [`RigOptions::qemu`] says otherwise: `$MAYFLY_RIG_QEMU` when set,
+/// else the patched build of `tests/rig/qemu/build.sh` (Debian's QEMU with a fix for its SVM
+/// emulation), found by `build.sh --check`: it hashes the same inputs as the build, so an out of
+/// date build counts as missing. Never the system's QEMU: fails with [`RigError::QemuNotBuilt`]
+/// when the build is missing. The result is remembered for this process.
+pub fn qemu_binary() -> Result<PathBuf, RigError> {
+    if let Some(path) = std::env::var_os("MAYFLY_RIG_QEMU") {
+        return Ok(PathBuf::from(path));
+    }
+    let mut cached = PATCHED_QEMU.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(path) = cached.as_ref() {
+        return Ok(path.clone());
+    }
+    let script = source_root().join(QEMU_BUILD_SCRIPT);
+    if !script.is_file() {
+        return Err(RigError::SourceTreeNotFound { path: script });
+    }
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg("--check")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(io_err(format!("cannot run bash {}", script.display())))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let path = stdout
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .map(|l| PathBuf::from(l.trim()));
+    match path {
+        Some(path) if out.status.success() && path.is_file() => {
+            *cached = Some(path.clone());
+            Ok(path)
+        }
+        _ => {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let reason = match stderr.trim() {
+                "" => format!("`build.sh --check` {}", describe_status(out.status)),
+                said => said.to_string(),
+            };
+            Err(RigError::QemuNotBuilt { script, reason })
+        }
+    }
 }
 
 /// Runs `command` (program and arguments) inside L1 and returns its exit status and output.
@@ -577,6 +620,7 @@ pub fn run<S: AsRef<OsStr>>(opts: &RigOptions, command: &[S]) -> Result<RigOutpu
             .status();
     }
 
+    report_emulator_faults(&qemu_log);
     let console_log = ctl.path.join("console.log");
     let kernel_log = ctl.path.join("l1-kernel.log");
     let Some(qemu_status) = qemu_status else {
@@ -617,6 +661,35 @@ pub fn run<S: AsRef<OsStr>>(opts: &RigOptions, command: &[S]) -> Result<RigOutpu
         elapsed,
         control_dir,
     })
+}
+
+/// The rig's patched QEMU prints a line when it catches its own SVM emulation breaking a guest
+/// (tests/rig/qemu/patches/0003: a #VMEXIT outside guest mode, which hands an L2 vCPU the L1
+/// host's registers); say so, so that a failed run's report names the emulator as the cause.
+fn report_emulator_faults(qemu_log: &Path) {
+    let text = fs::read_to_string(qemu_log).unwrap_or_default();
+    let faults = count_bad_vmexits(&text);
+    if faults > 0 {
+        // The patch prints the first 20 only.
+        let faults = if faults >= 20 {
+            format!("at least {faults}")
+        } else {
+            faults.to_string()
+        };
+        eprintln!(
+            "mayfly-rig: the rig's QEMU delivered {faults} #VMEXIT(s) outside guest mode (an \
+             emulator bug, tests/rig/qemu/patches/0003): each gave an L2 vCPU the L1 host's \
+             registers; see {}",
+            qemu_log.display()
+        );
+    }
+}
+
+fn count_bad_vmexits(qemu_log: &str) -> usize {
+    qemu_log
+        .lines()
+        .filter(|l| l.starts_with("rig-qemu: cpu ") && l.contains("outside guest mode"))
+        .count()
 }
 
 fn validate_numbers(opts: &RigOptions) -> Result<(), RigError> {
@@ -867,7 +940,17 @@ fn qemu_args(
 ) -> Vec<OsString> {
     let mut args: Vec<OsString> = Vec::new();
     let mut push = |items: &[&str]| args.extend(items.iter().map(OsString::from));
-    push(&["-accel", "tcg,thread=multi", "-M", "pc"]);
+    // One host thread runs every emulated CPU. Multi-threaded TCG (thread=multi) breaks L2
+    // guests: now and then a #VMEXIT comes while the CPU is in host mode with nested paging
+    // on, and the guest's VMCB gets the L1 host's registers (the guest then runs at L1's RIP
+    // with L1's CR3 and stalls or triple-faults). tests/tests/guest_stress.rs showed it in 3
+    // runs of 3 with thread=multi and in none of 3 with thread=single; patches/0003 reports
+    // each occurrence. MAYFLY_RIG_TCG_THREAD=multi brings it back, to study it.
+    let thread = match std::env::var("MAYFLY_RIG_TCG_THREAD").as_deref() {
+        Ok("multi") => "tcg,thread=multi",
+        _ => "tcg,thread=single",
+    };
+    push(&["-accel", thread, "-M", "pc"]);
     push(&["-cpu", &opts.cpu_model]);
     push(&[
         "-smp",
@@ -882,6 +965,12 @@ fn qemu_args(
         "none",
         "-no-reboot",
     ]);
+    // The state of every CPU at every reset, the one that ends L1 (a triple fault) included:
+    // the evidence when L1 dies without a word on its console. A few KiB per reset.
+    args.push("-d".into());
+    args.push("cpu_reset".into());
+    args.push("-D".into());
+    args.push(ctl.join("qemu-cpu-reset.log").into());
     // kvm.tdp_mmu=0: L1's KVM with the TDP MMU, whose vCPUs update page tables concurrently
     // with atomic operations, corrupts its SPTEs under QEMU's software emulation when several
     // guests run at once ("Invalid SPTE change", then a BUG); the older MMU serialises updates.
@@ -1296,6 +1385,15 @@ mod tests {
     #[test]
     fn qemu_option_commas_are_doubled() {
         assert_eq!(qemu_escape(Path::new("/a,b")), OsString::from("/a,,b"));
+    }
+
+    #[test]
+    fn bad_vmexits_are_counted_from_the_qemu_log() {
+        let log = "qemu-system-x86_64: warning: something else\n\
+            rig-qemu: cpu 1: a #VMEXIT (exit code 0x400) outside guest mode (rip ffffffff8155f70c, vmcb 0x101b04000, npt 1): the guest's VMCB gets the host's registers\n\
+            rig-qemu: cpu 0: a #VMEXIT (exit code 0x7b) outside guest mode (rip 1, vmcb 0x2000, npt 0): the guest's VMCB gets the host's registers\n";
+        assert_eq!(count_bad_vmexits(log), 2);
+        assert_eq!(count_bad_vmexits(""), 0);
     }
 
     #[test]

@@ -1,15 +1,17 @@
 //! Fork of a running VM into live clones. Run through tests/run, which picks a KVM that can
 //! run Linux (the host's or the rig's).
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use mayfly_tests::guest::{mayfly_output, FileConsole, Guest, TestDir};
+use mayfly_tests::agent::{sh, wait_agent};
+use mayfly_tests::guest::{mayfly_output, Guest, TestDir, BOOT_TIMEOUT};
 
 const EXIT_TIMEOUT: Duration = Duration::from_secs(60);
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(180);
 
-/// Fork through the CLI; returns the answer's clones as (name, pid, console).
-fn fork(sock: &str, count: u32, extra: &[&str]) -> Vec<(String, u32, FileConsole)> {
+/// Fork through the CLI; returns the answer's clones as (name, pid, control socket).
+fn fork(sock: &str, count: u32, extra: &[&str]) -> Vec<(String, u32, PathBuf)> {
     let count = count.to_string();
     let mut args = vec!["fork", "--sock", sock, "--count", &count];
     args.extend_from_slice(extra);
@@ -25,15 +27,22 @@ fn fork(sock: &str, count: u32, extra: &[&str]) -> Vec<(String, u32, FileConsole
         .unwrap()
         .iter()
         .map(|c| {
-            let pid = c["pid"].as_u64().unwrap() as u32;
-            let mut console = FileConsole::new(
-                c["console_input"].as_str().unwrap(),
-                c["console_log"].as_str().unwrap(),
-            );
-            console.pid = Some(pid);
-            (c["name"].as_str().unwrap().to_string(), pid, console)
+            (
+                c["name"].as_str().unwrap().to_string(),
+                c["pid"].as_u64().unwrap() as u32,
+                PathBuf::from(c["api_sock"].as_str().unwrap()),
+            )
         })
         .collect()
+}
+
+fn shutdown(sock: &str) {
+    let out = mayfly_output(&["shutdown", "--sock", sock], CLIENT_TIMEOUT);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 fn alive(pid: u32) -> bool {
@@ -46,8 +55,8 @@ fn kill(pid: u32) {
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
 }
 
-fn count(run: impl FnOnce(&str) -> String) -> u64 {
-    let text = run("cat /tmp/count");
+fn count(sock: &Path) -> u64 {
+    let text = sh(sock, "cat /tmp/count");
     text.parse()
         .unwrap_or_else(|_| panic!("the counter file holds {text:?}"))
 }
@@ -56,51 +65,56 @@ fn count(run: impl FnOnce(&str) -> String) -> u64 {
 fn clones_carry_on_from_the_fork_apart_from_each_other_and_the_parent() {
     let dir = TestDir::new("fork");
     let sock = dir.arg("web.sock");
+    let psock = Path::new(&sock);
     let mut parent = Guest::start(&["run", "--name", "web", "--api-sock", &sock]);
-    parent.expect_ready();
-    parent.run(
-        "(i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &",
+    wait_agent(psock, BOOT_TIMEOUT);
+    sh(
+        psock,
+        "(i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) </dev/null >/dev/null 2>&1 &",
     );
-    parent.run("echo from-before-the-fork > /tmp/shared");
-    let before = count(|c| parent.run(c));
+    sh(psock, "echo from-before-the-fork > /tmp/shared");
+    let before = count(psock);
 
-    let mut clones = fork(&sock, 4, &[]);
+    let clones = fork(&sock, 4, &[]);
     assert_eq!(clones.len(), 4);
     let names: Vec<&str> = clones.iter().map(|c| c.0.as_str()).collect();
     assert_eq!(names, ["web-0", "web-1", "web-2", "web-3"]);
 
     // The parent writes after the fork; no clone may see it.
-    parent.run("echo parent-after-fork > /tmp/parent-only");
+    sh(psock, "echo parent-after-fork > /tmp/parent-only");
     let mut randoms = Vec::new();
-    for (i, (name, _, console)) in clones.iter_mut().enumerate() {
+    for (i, (name, _, csock)) in clones.iter().enumerate() {
         // Each continues from the fork point.
-        let now = count(|c| console.run(c));
+        let now = count(csock);
         assert!(
             now >= before && now < before + 300,
             "{name}: counter {now}, {before} before the fork"
         );
-        assert_eq!(console.run("cat /tmp/shared"), "from-before-the-fork");
+        assert_eq!(sh(csock, "cat /tmp/shared"), "from-before-the-fork");
         assert_eq!(
-            console.run("cat /tmp/parent-only 2>/dev/null || echo absent"),
+            sh(csock, "cat /tmp/parent-only 2>/dev/null || echo absent"),
             "absent",
             "{name} sees the parent's write after the fork"
         );
         // Each knows who it is.
-        assert_eq!(console.run("mayfly-identity name"), *name);
-        assert_eq!(console.run("mayfly-identity index"), i.to_string());
-        assert_eq!(console.run("mayfly-identity parent"), "web");
-        console.run(&format!("echo written-by-{name} > /tmp/mine"));
-        randoms.push(console.run("head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'"));
+        assert_eq!(sh(csock, "mayfly-identity name"), *name);
+        assert_eq!(sh(csock, "mayfly-identity index"), i.to_string());
+        assert_eq!(sh(csock, "mayfly-identity parent"), "web");
+        sh(csock, &format!("echo written-by-{name} > /tmp/mine"));
+        randoms.push(sh(
+            csock,
+            "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'",
+        ));
     }
     // Each clone's file is its own.
-    for (name, _, console) in clones.iter_mut() {
-        assert_eq!(console.run("cat /tmp/mine"), format!("written-by-{name}"));
+    for (name, _, csock) in &clones {
+        assert_eq!(sh(csock, "cat /tmp/mine"), format!("written-by-{name}"));
     }
     assert_eq!(
-        parent.run("cat /tmp/mine 2>/dev/null || echo absent"),
+        sh(psock, "cat /tmp/mine 2>/dev/null || echo absent"),
         "absent"
     );
-    assert_eq!(parent.run("mayfly-identity name"), "web");
+    assert_eq!(sh(psock, "mayfly-identity name"), "web");
     // Fresh entropy in every clone.
     let mut unique = randoms.clone();
     unique.sort();
@@ -118,17 +132,17 @@ fn clones_carry_on_from_the_fork_apart_from_each_other_and_the_parent() {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs() as i64;
-    for (name, _, console) in clones.iter_mut() {
-        let t: i64 = console.run("date +%s").parse().unwrap();
+    for (name, _, csock) in &clones {
+        let t: i64 = sh(csock, "date +%s").parse().unwrap();
         assert!((t - host).abs() <= 5, "{name}: guest {t}, host {host}");
     }
 
     // The parent dies; the clones do not.
     parent.signal(libc::SIGKILL);
     parent.wait_exit(EXIT_TIMEOUT);
-    for (name, pid, console) in clones.iter_mut() {
+    for (name, pid, csock) in &clones {
         assert!(alive(*pid), "{name} died with its parent");
-        assert_eq!(console.run("echo still-here"), "still-here");
+        assert_eq!(sh(csock, "echo still-here"), "still-here");
     }
     for (_, pid, _) in &clones {
         kill(*pid);
@@ -140,21 +154,22 @@ fn a_clone_can_be_forked_and_snapshotted() {
     let dir = TestDir::new("fork2");
     let sock = dir.arg("root.sock");
     let mut parent = Guest::start(&["run", "--name", "root", "--api-sock", &sock]);
-    parent.expect_ready();
+    wait_agent(Path::new(&sock), BOOT_TIMEOUT);
     let clones = fork(&sock, 1, &["--name-prefix", "kid-"]);
-    let (kid, kid_pid, mut kid_console) = clones.into_iter().next().unwrap();
+    let (kid, kid_pid, kid_sock) = clones.into_iter().next().unwrap();
     assert_eq!(kid, "kid-0");
-    kid_console.run("echo kid-data > /tmp/kid");
+    sh(&kid_sock, "echo kid-data > /tmp/kid");
 
     // Fork of a fork.
-    let kid_sock = dir.arg("kid-0.sock");
+    assert_eq!(kid_sock, dir.join("kid-0.sock"));
+    let kid_sock = kid_sock.to_string_lossy().into_owned();
     let grandchildren = fork(&kid_sock, 2, &[]);
     let mut pids = vec![kid_pid];
-    for (name, pid, mut console) in grandchildren {
+    for (name, pid, csock) in grandchildren {
         pids.push(pid);
         assert!(name.starts_with("kid-0-"), "{name}");
-        assert_eq!(console.run("cat /tmp/kid"), "kid-data");
-        assert_eq!(console.run("mayfly-identity parent"), "kid-0");
+        assert_eq!(sh(&csock, "cat /tmp/kid"), "kid-data");
+        assert_eq!(sh(&csock, "mayfly-identity parent"), "kid-0");
     }
 
     // A snapshot of the clone restores.
@@ -165,16 +180,17 @@ fn a_clone_can_be_forked_and_snapshotted() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let mut restored = Guest::start(&["restore", &snap]);
-    assert_eq!(restored.run("cat /tmp/kid"), "kid-data");
-    assert_eq!(restored.run("mayfly-identity name"), "kid-0");
-    restored.send("poweroff -f\n");
+    let rsock = dir.join("restored.sock");
+    let mut restored = Guest::start(&["restore", &snap, "--api-sock", &rsock.to_string_lossy()]);
+    assert_eq!(sh(&rsock, "cat /tmp/kid"), "kid-data");
+    assert_eq!(sh(&rsock, "mayfly-identity name"), "kid-0");
+    shutdown(&rsock.to_string_lossy());
     assert_eq!(restored.wait_exit(EXIT_TIMEOUT).code(), Some(0));
 
     for pid in pids {
         kill(pid);
     }
-    parent.send("poweroff -f\n");
+    shutdown(&sock);
     assert_eq!(parent.wait_exit(EXIT_TIMEOUT).code(), Some(0));
 }
 
@@ -183,7 +199,7 @@ fn bad_fork_requests_are_refused_and_the_parent_keeps_running() {
     let dir = TestDir::new("fork-bad");
     let sock = dir.arg("p.sock");
     let mut parent = Guest::start(&["run", "--api-sock", &sock]);
-    parent.expect_ready();
+    wait_agent(Path::new(&sock), BOOT_TIMEOUT);
 
     let refused = |args: &[&str], expected: &str| {
         let mut all = vec!["fork", "--sock", &sock];
@@ -203,7 +219,7 @@ fn bad_fork_requests_are_refused_and_the_parent_keeps_running() {
         &["--count", "1", "--name-prefix", "../evil"],
         "is not usable",
     );
-    assert_eq!(parent.run("echo unharmed"), "unharmed");
+    assert_eq!(sh(Path::new(&sock), "echo unharmed"), "unharmed");
 
     // A VM that is shutting down forks nothing.
     let out = mayfly_output(&["shutdown", "--sock", &sock], CLIENT_TIMEOUT);

@@ -1,7 +1,14 @@
-//! The boot path, start to finish: from a [`RunConfig`] to a running [`Vm`].
+//! The boot path, start to finish: from a [`RunConfig`] to a running VM under its
+//! [`Controller`].
 //!
-//! Order matters for speed: guest memory is registered before the in-kernel irqchip, and the
-//! kernel is loaded while no vCPU exists yet.
+//! 1. Open KVM, make guest RAM (a memfd) and the VM: memory slots first, then the in-kernel
+//!    irqchip and PIT (a slot added after the irqchip costs milliseconds on some hosts).
+//! 2. Create the devices: their MMIO windows and interrupt lines are allocated here, and the
+//!    ACPI tables written next describe them.
+//! 3. Load the kernel, initrd, command line and the tables (MP table, ACPI) while no vCPU
+//!    exists yet.
+//! 4. Create and configure the vCPUs; write the identity page and a VM generation ID.
+//! 5. Start the control socket, then the vCPU threads, then the console's input.
 
 use std::sync::mpsc::channel;
 
@@ -9,6 +16,7 @@ use kvm_bindings::{kvm_cpuid_entry2, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_memory::{Bytes, GuestAddress};
 
+use crate::api::SocketClaim;
 use crate::arch::cpuid::{set_vcpu_identity, CpuTemplate};
 use crate::arch::kvm_state::KvmCaps;
 use crate::arch::layout::e820_map;
@@ -16,11 +24,14 @@ use crate::arch::regs::{self, EntryMode};
 use crate::arch::{acpi, mptable};
 use crate::config::{ConfigError, RunConfig};
 use crate::console;
-use crate::devices::{create_devices, DeviceError};
+use crate::controller::Controller;
+use crate::device_manager::{DeviceError, DeviceManager, Wiring};
 use crate::identity::{self, Identity, IdentityError};
 use crate::kernel::{self, BootInfo, KernelError};
+use crate::machine::{Machine, VmInfo};
 use crate::memory::{GuestRam, MemoryError};
-use crate::vm::{self, kvm_err, Vm, VmError, VmInfo};
+use crate::vcpu::VcpuContext;
+use crate::vm::{self, kvm_err, Vm, VmError};
 use crate::{trace, Error};
 
 /// Everything the boot path can fail on.
@@ -61,8 +72,23 @@ impl From<BootError> for Error {
 }
 
 /// Boot the guest described by `config`; returns once every vCPU runs.
-pub fn boot(config: &RunConfig) -> Result<Vm, BootError> {
+pub fn boot(config: &RunConfig) -> Result<Controller, BootError> {
     let started = std::time::Instant::now();
+    // 0. The socket paths, claimed before anything else: of two VMMs started on one path, the
+    // second stops here.
+    let api_claim = config
+        .api_sock
+        .as_deref()
+        .map(SocketClaim::new)
+        .transpose()?;
+    let vsock_claim = config
+        .devices
+        .vsock
+        .as_ref()
+        .and_then(|v| v.path.as_deref())
+        .map(SocketClaim::new)
+        .transpose()?;
+    // 1. KVM, guest RAM, the VM.
     let kvm = vm::open_kvm()?;
     let max_vcpus = kvm.get_max_vcpus();
     if usize::from(config.vcpus) > max_vcpus {
@@ -73,12 +99,26 @@ pub fn boot(config: &RunConfig) -> Result<Vm, BootError> {
         .into());
     }
     let console_out = config.console.output()?;
-
     let ram = GuestRam::new_memfd(config.mem_bytes())?;
     let vm_fd = vm::create_vm(&kvm, &ram)?;
     trace::event("vm_created");
 
-    // The guest's software: kernel, initrd, command line, and the tables describing the machine.
+    // 2. The devices.
+    let (event_sender, events) = channel();
+    let devices = DeviceManager::new(
+        &Wiring {
+            vm: &vm_fd,
+            mem: &ram.memory,
+            events: &event_sender,
+        },
+        console_out,
+        config.probe,
+        &config.devices,
+    )?;
+    trace::event("devices_created");
+
+    // 3. The guest's software: kernel, initrd, command line, and the tables describing the
+    // machine.
     let mem = &ram.memory;
     let kernel = kernel::load_kernel(mem, &config.kernel)?;
     let initrd = match &config.initrd {
@@ -87,7 +127,7 @@ pub fn boot(config: &RunConfig) -> Result<Vm, BootError> {
     };
     kernel::write_cmdline(mem, &config.cmdline)?;
     mptable::write_mptable(mem, config.vcpus)?;
-    let rsdp = acpi::write_acpi_tables(mem, config.vcpus)?;
+    let rsdp = acpi::write_acpi_tables(mem, config.vcpus, &devices.acpi_devices())?;
     let e820 = e820_map(config.mem_bytes());
     let info = BootInfo {
         cmdline_len: config.cmdline.len(),
@@ -114,10 +154,7 @@ pub fn boot(config: &RunConfig) -> Result<Vm, BootError> {
         initrd.release();
     }
 
-    let (event_sender, events) = channel();
-    let devices = create_devices(&vm_fd, console_out, None, &event_sender)?;
-    trace::event("devices_created");
-
+    // 4. The vCPUs and the VM's identity.
     let (vcpu_fds, cpuids) = create_vcpus(&kvm, &vm_fd, config, &ram, kernel.mode)?;
     // vCPU 0 starts at the kernel's entry (through the trace trampoline when tracing); the
     // others wait for the guest's INIT/SIPI.
@@ -136,20 +173,15 @@ pub fn boot(config: &RunConfig) -> Result<Vm, BootError> {
         name: config.name.clone(),
         ..Identity::default()
     };
-    identity.write(mem)?;
+    identity::write_page(&identity, mem)?;
     identity::new_generation_id(mem)?;
 
     let caps = KvmCaps::probe(&kvm)?;
-    let mut vm = Vm {
-        kvm,
-        fd: vm_fd,
-        ram,
-        vcpus: Vec::new(),
+    let machine = Machine {
+        vm: Vm::new(kvm, vm_fd, caps, cpuids),
+        lazy: None,
         devices,
-        events,
-        event_sender,
-        caps,
-        cpuids,
+        ram,
         info: VmInfo {
             identity,
             next_clone: 0,
@@ -157,18 +189,39 @@ pub fn boot(config: &RunConfig) -> Result<Vm, BootError> {
             cmdline: config.cmdline.clone(),
             origin: "boot".into(),
             started,
+            probe: config.probe,
+            memory_protection: crate::memory::BackingProtection::Private,
         },
-        paused: false,
-        lazy: None,
-        api: None,
     };
-    if let Some(path) = &config.api_sock {
-        vm.start_api(path)?;
+    let mut controller = Controller::new(machine, events, event_sender.clone());
+    controller.vsock_claim = vsock_claim;
+
+    // 5. The control socket, the vCPU threads, the console's input.
+    if let Some(claim) = api_claim {
+        controller.start_api(claim)?;
     }
-    vm.start_vcpus(vcpu_fds, breakpoints, false)
+    let m = &mut controller.machine;
+    let context = VcpuContext {
+        pio: m.devices.pio.clone(),
+        mmio: m.devices.mmio.clone(),
+        events: event_sender,
+        trace: breakpoints,
+    };
+    m.vm.start_vcpus(vcpu_fds, context, false)
         .map_err(BootError::Thread)?;
-    console::connect_input(&vm.devices.serial, &config.console, None).map_err(BootError::Thread)?;
-    Ok(vm)
+    console::connect_input(
+        &m.devices.serial,
+        &m.devices.console_gate,
+        &config.console,
+        None,
+    )
+    .map_err(BootError::Thread)?;
+    // 6. Once its agent is up, tell the guest its name.
+    controller.refresh_guest(
+        mayfly_agent_protocol::RefreshEvent::Boot,
+        crate::agent::BOOT_WAIT,
+    );
+    Ok(controller)
 }
 
 /// Create and configure every vCPU (all but the boot registers of vCPU 0).

@@ -38,10 +38,14 @@ pub struct RunConfig {
     pub cpu_template: CpuTemplate,
     /// Print boot phase timestamps on stderr (see `trace`).
     pub boot_trace: bool,
+    /// Give the VM the probe device (the probe benchmark's guest).
+    pub probe: bool,
     /// Serve the control socket here.
     pub api_sock: Option<std::path::PathBuf>,
     /// The VM's name (its guest reads it from the identity page).
     pub name: String,
+    /// The virtio devices it gets.
+    pub devices: crate::device_manager::DevicesConfig,
 }
 
 impl RunConfig {

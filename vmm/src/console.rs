@@ -11,6 +11,7 @@ use std::time::Duration;
 use mayfly_devices::bus::lock;
 use mayfly_devices::legacy::serial::ConsoleOut;
 use mayfly_devices::legacy::SerialConsole;
+use mayfly_devices::virtio::thread::Gate;
 
 /// Where the console goes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -77,6 +78,22 @@ pub struct RawTerminal {
     saved: libc::termios,
 }
 
+/// The settings of the terminal in raw mode, for [`restore_terminal`].
+static SAVED_TERMINAL: std::sync::Mutex<Option<(i32, libc::termios)>> = std::sync::Mutex::new(None);
+
+/// Put back the terminal settings a [`RawTerminal`] changed, from any thread (the process is
+/// about to exit without unwinding).
+pub fn restore_terminal() {
+    let saved = SAVED_TERMINAL
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    if let Some((fd, termios)) = saved {
+        // SAFETY: restores settings read from the same terminal.
+        unsafe { libc::tcsetattr(fd, libc::TCSANOW, &termios) };
+    }
+}
+
 impl RawTerminal {
     /// Raw mode for stdin if it is a terminal; None otherwise.
     pub fn stdin() -> Option<Self> {
@@ -94,12 +111,17 @@ impl RawTerminal {
         if unsafe { libc::tcsetattr(fd, libc::TCSANOW, &raw) } != 0 {
             return None;
         }
+        *SAVED_TERMINAL.lock().unwrap_or_else(|p| p.into_inner()) = Some((fd, saved));
         Some(Self { fd, saved })
     }
 }
 
 impl Drop for RawTerminal {
     fn drop(&mut self) {
+        SAVED_TERMINAL
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         // SAFETY: restores the settings read from the same terminal.
         unsafe { libc::tcsetattr(self.fd, libc::TCSANOW, &self.saved) };
     }
@@ -110,18 +132,37 @@ impl Drop for RawTerminal {
 /// interrupts from stalling.
 pub fn connect_input(
     serial: &Arc<Mutex<SerialConsole>>,
+    gate: &Arc<Gate>,
     console: &Console,
     input: Option<&std::path::Path>,
 ) -> io::Result<()> {
-    spawn_uart_watchdog(serial)?;
+    spawn_uart_watchdog(serial, gate)?;
     if *console == Console::Stdio {
-        spawn_forwarder(serial.clone(), Box::new(io::stdin()))?;
+        spawn_forwarder(serial.clone(), gate.clone(), Box::new(io::stdin()))?;
     }
     if let Some(path) = input {
         let file = File::options().read(true).write(true).open(path)?;
-        spawn_forwarder(serial.clone(), Box::new(file))?;
+        spawn_forwarder(serial.clone(), gate.clone(), Box::new(file))?;
     }
     Ok(())
+}
+
+/// The UART, locked, once the VM is not paused (see `DeviceManager::pause`). None when the VM
+/// is going away.
+fn lock_unpaused<'a>(
+    serial: &'a Mutex<SerialConsole>,
+    gate: &Gate,
+) -> Option<std::sync::MutexGuard<'a, SerialConsole>> {
+    loop {
+        let guard = lock(serial);
+        if !gate.is_paused() {
+            return Some(guard);
+        }
+        drop(guard);
+        if !gate.pass() {
+            return None;
+        }
+    }
 }
 
 /// How long a UART interrupt may stay pending, untouched by the guest, before it is raised again.
@@ -129,8 +170,9 @@ const UART_STALL: Duration = Duration::from_millis(50);
 
 /// Watch the UART for interrupts the guest never took (see
 /// [`SerialConsole::kick_if_stalled`]) until the console goes away with the VM.
-pub fn spawn_uart_watchdog(serial: &Arc<Mutex<SerialConsole>>) -> io::Result<()> {
+pub fn spawn_uart_watchdog(serial: &Arc<Mutex<SerialConsole>>, gate: &Arc<Gate>) -> io::Result<()> {
     let serial = Arc::downgrade(serial);
+    let gate = gate.clone();
     std::thread::Builder::new()
         .name("uart-watchdog".into())
         .stack_size(crate::HELPER_THREAD_STACK)
@@ -139,7 +181,10 @@ pub fn spawn_uart_watchdog(serial: &Arc<Mutex<SerialConsole>>) -> io::Result<()>
             let Some(serial) = serial.upgrade() else {
                 return;
             };
-            if lock(&serial).kick_if_stalled(UART_STALL).is_err() {
+            let Some(mut uart) = lock_unpaused(&serial, &gate) else {
+                return;
+            };
+            if uart.kick_if_stalled(UART_STALL).is_err() {
                 return;
             }
         })?;
@@ -150,6 +195,7 @@ pub fn spawn_uart_watchdog(serial: &Arc<Mutex<SerialConsole>>) -> io::Result<()>
 /// not read what is already queued (the UART's FIFO is small).
 fn spawn_forwarder(
     serial: Arc<Mutex<SerialConsole>>,
+    gate: Arc<Gate>,
     mut input: Box<dyn Read + Send>,
 ) -> io::Result<()> {
     std::thread::Builder::new()
@@ -167,7 +213,11 @@ fn spawn_forwarder(
                 };
                 let mut pending = &buf[..n];
                 while !pending.is_empty() {
-                    let queued = lock(&serial).queue_input(pending);
+                    let Some(mut uart) = lock_unpaused(&serial, &gate) else {
+                        return;
+                    };
+                    let queued = uart.queue_input(pending);
+                    drop(uart);
                     pending = &pending[queued..];
                     if !pending.is_empty() {
                         std::thread::sleep(Duration::from_millis(1));

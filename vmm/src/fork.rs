@@ -33,8 +33,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::machine::{Machine, PauseError};
 use crate::snapshot::{self, SnapshotCreateError};
-use crate::vm::{Vm, VmError};
+use crate::vm::VmError;
 
 /// More clones than this in one request is a mistake, not a plan.
 pub const MAX_CLONES: u32 = 10_000;
@@ -42,6 +43,8 @@ pub const MAX_CLONES: u32 = 10_000;
 /// soon write (a kernel's own bookkeeping), as a fraction of guest RAM.
 const CLONE_OVERHEAD_MIB: u64 = 4;
 const CLONE_RAM_FRACTION: u64 = 32;
+/// Names in use skipped in one fork before it gives up.
+const MAX_SKIPPED_NAMES: u32 = 10_000;
 /// How long a clone may take to report that it runs.
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -75,6 +78,10 @@ pub enum ForkError {
         what: String,
         source: std::io::Error,
     },
+    #[error("no clone names are left: this VM has numbered 2^32 clones")]
+    NamesExhausted,
+    #[error("{MAX_SKIPPED_NAMES} clone names {prefix}N in {dir} in a row are taken (by files of other clones): remove stale ones or fork with another --name-prefix")]
+    NamesInUse { dir: PathBuf, prefix: String },
     #[error("clone {name} did not start: {reason} (its console log: {log})")]
     CloneFailed {
         name: String,
@@ -110,6 +117,10 @@ pub struct CloneInfo {
     pub console_log: PathBuf,
     /// A FIFO: what is written to it is typed into the clone's serial console.
     pub console_input: PathBuf,
+    /// Its vsock socket (the guest agent is reached through it).
+    pub vsock: PathBuf,
+    /// Its vsock CID, its own.
+    pub vsock_cid: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -133,7 +144,7 @@ fn available_mib() -> Option<u64> {
 }
 
 /// Check a request before anything happens to the VM.
-fn check(vm: &Vm, request: &ForkRequest) -> Result<(), ForkError> {
+fn check(vm: &Machine, dir: Option<&Path>, request: &ForkRequest) -> Result<(), ForkError> {
     if request.count == 0 {
         return Err(ForkError::NoClones);
     }
@@ -155,7 +166,7 @@ fn check(vm: &Vm, request: &ForkRequest) -> Result<(), ForkError> {
     if let Some(prefix) = &request.name_prefix {
         crate::identity::check_name(&format!("{prefix}0"))?;
     }
-    if vm.api.is_none() {
+    if dir.is_none() {
         return Err(ForkError::NoSocket);
     }
     Ok(())
@@ -200,19 +211,60 @@ fn pipe() -> Result<(File, OwnedFd), ForkError> {
     unsafe { Ok((File::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1]))) }
 }
 
-fn mkfifo(path: &Path) -> Result<(), ForkError> {
+/// Create a FIFO at `path`; never replaces what is there (EEXIST then).
+fn mkfifo(path: &Path) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
-    let _ = std::fs::remove_file(path);
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| {
-        io(format!("use {} as a FIFO", path.display()))(std::io::ErrorKind::InvalidInput.into())
-    })?;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
     // SAFETY: a valid NUL-terminated path; the result is checked.
     if unsafe { libc::mkfifo(c.as_ptr(), 0o600) } < 0 {
-        return Err(io(format!("create the FIFO {}", path.display()))(
-            std::io::Error::last_os_error(),
-        ));
+        return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// A clone's files beside its parent's socket, claimed for it: created new (never following
+/// a symlink, never replacing anything), or `None` if something by that name exists already
+/// (a live clone of an earlier fork, or of the VM this one was restored from).
+fn claim_clone_files(dir: &Path, name: &str) -> Result<Option<(CloneInfo, File)>, ForkError> {
+    let info = CloneInfo {
+        api_sock: dir.join(format!("{name}.sock")),
+        console_log: dir.join(format!("{name}.log")),
+        console_input: dir.join(format!("{name}.in")),
+        vsock: dir.join(format!("{name}.vsock")),
+        vsock_cid: 0,
+        name: name.to_string(),
+        index: 0,
+        pid: 0,
+    };
+    let exists = |p: &Path| std::fs::symlink_metadata(p).is_ok();
+    if exists(&info.api_sock) || exists(&info.console_input) || exists(&info.vsock) {
+        return Ok(None);
+    }
+    // The log is the claim: O_CREAT | O_EXCL fails on anything that exists, symlinks included.
+    let log = match File::options()
+        .write(true)
+        .create_new(true)
+        .open(&info.console_log)
+    {
+        Ok(log) => log,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(None),
+        Err(e) => return Err(io(format!("create {}", info.console_log.display()))(e)),
+    };
+    match mkfifo(&info.console_input) {
+        Ok(()) => Ok(Some((info, log))),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let _ = std::fs::remove_file(&info.console_log);
+            Ok(None)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&info.console_log);
+            Err(io(format!(
+                "create the FIFO {}",
+                info.console_input.display()
+            ))(e))
+        }
+    }
 }
 
 /// A descriptor duplicated for a child to inherit (not close-on-exec); closed when dropped.
@@ -244,26 +296,15 @@ struct Starting {
     ready: File,
 }
 
-/// Start clone `index` as `mayfly restore` of the state and memory files.
+/// Start a clone as `mayfly restore` of the state and memory base, with the files claimed for
+/// it.
 fn spawn_clone(
-    dir: &Path,
-    name: String,
-    index: u32,
+    info: CloneInfo,
+    log: File,
     parent: &str,
     state: &File,
     memory: &File,
 ) -> Result<Starting, ForkError> {
-    let info = CloneInfo {
-        api_sock: dir.join(format!("{name}.sock")),
-        console_log: dir.join(format!("{name}.log")),
-        console_input: dir.join(format!("{name}.in")),
-        name,
-        index,
-        pid: 0,
-    };
-    mkfifo(&info.console_input)?;
-    let log = File::create(&info.console_log)
-        .map_err(io(format!("create {}", info.console_log.display())))?;
     let (ready, ready_w) = pipe()?;
     // The clone inherits three descriptors. They are duplicated without close-on-exec just for
     // this spawn (clones are started one at a time, from this thread only), so the standard
@@ -278,19 +319,23 @@ fn spawn_clone(
     let mut command = Command::new(exe);
     command
         .arg("restore")
-        .arg("--state-file")
-        .arg(format!("/proc/self/fd/{}", inherit[0].0))
-        .arg("--memory-file")
-        .arg(format!("/proc/self/fd/{}", inherit[1].0))
+        .arg("--state-fd")
+        .arg(inherit[0].0.to_string())
+        .arg("--memory-fd")
+        .arg(inherit[1].0.to_string())
         .arg("--ready-fd")
         .arg(inherit[2].0.to_string())
         .args(["--memory", "cow", "--name", &info.name])
         .arg("--clone-of")
         .arg(parent)
         .arg("--clone-index")
-        .arg(index.to_string())
+        .arg(info.index.to_string())
         .arg("--api-sock")
         .arg(&info.api_sock)
+        .arg("--vsock")
+        .arg(&info.vsock)
+        .arg("--vsock-cid")
+        .arg(info.vsock_cid.to_string())
         .arg("--console")
         .arg(&info.console_log)
         .arg("--console-input")
@@ -368,24 +413,34 @@ fn wait_ready(starting: Vec<Starting>) -> Result<Vec<CloneInfo>, ForkError> {
     }
 }
 
+/// A vsock CID for a clone: random, so that no two clones of one VM (or of its clones) are
+/// likely to share one (each has its own device and socket either way).
+fn clone_cid() -> Result<u64, ForkError> {
+    let mut bytes = [0u8; 4];
+    crate::identity::host_random(&mut bytes).map_err(io("get random bytes for a clone's CID"))?;
+    // 3 and up (0-2 are reserved), below u32::MAX.
+    Ok(1000 + u64::from(u32::from_le_bytes(bytes) % (u32::MAX - 2000)))
+}
+
 fn kill(pid: u32) {
     // SAFETY: kill(2) on a clone this fork started.
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
 }
 
-/// Fork the VM into `request.count` clones.
-pub fn fork(vm: &mut Vm, request: &ForkRequest) -> Result<ForkReport, ForkError> {
+/// Fork the machine into `request.count` clones whose files go into `dir` (the directory of
+/// the parent's control socket).
+pub fn fork(
+    vm: &mut Machine,
+    dir: Option<&Path>,
+    request: &ForkRequest,
+) -> Result<ForkReport, ForkError> {
     let start = Instant::now();
-    check(vm, request)?;
-    let dir = vm
-        .api
-        .as_ref()
-        .and_then(|api| api.path().parent().map(Path::to_path_buf))
-        .ok_or(ForkError::NoSocket)?;
-    let was_running = !vm.paused;
+    check(vm, dir, request)?;
+    let dir = dir.ok_or(ForkError::NoSocket)?.to_path_buf();
+    let was_running = !vm.paused();
     if was_running {
         vm.pause().map_err(|e| match e {
-            VmError::VcpuGone(_) => ForkError::ShuttingDown,
+            PauseError::Vm(VmError::VcpuGone(_)) => ForkError::ShuttingDown,
             other => ForkError::Io {
                 what: "pause the VM".into(),
                 source: std::io::Error::other(other.to_string()),
@@ -401,7 +456,7 @@ pub fn fork(vm: &mut Vm, request: &ForkRequest) -> Result<ForkReport, ForkError>
 }
 
 fn fork_paused(
-    vm: &mut Vm,
+    vm: &mut Machine,
     request: &ForkRequest,
     dir: &Path,
     start: Instant,
@@ -416,12 +471,13 @@ fn fork_paused(
 
     // MAYFLY_FORK_COPY: measure the alternative to handing the memory over (see above).
     let (base, copied_bytes) = if std::env::var_os("MAYFLY_FORK_COPY").is_some() {
-        vm.ram.copy_to_memfd()?
+        vm.ram.copy_to_memfd(&state.snapshot_id)?
     } else {
-        let frozen = vm.ram.freeze()?;
-        // The lazy handler's memory was just replaced by the base: nothing is left to serve.
-        vm.lazy = None;
-        frozen
+        // A lazily restored VM's handler may still be loading pages: stop it before its
+        // mapping is replaced (its copies would fail on the new one). Nothing is lost: the
+        // base is written from what is mapped and, for the rest, from the snapshot's file.
+        drop(vm.lazy.take());
+        vm.ram.freeze(&state.snapshot_id)?
     };
     let freeze_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms - state_ms;
 
@@ -431,19 +487,49 @@ fn fork_paused(
         .clone()
         .unwrap_or_else(|| format!("{parent}-"));
     let mut starting = Vec::with_capacity(request.count as usize);
-    for _ in 0..request.count {
+    let mut result = Ok(());
+    let mut skipped = 0u32;
+    while starting.len() < request.count as usize {
+        if skipped > MAX_SKIPPED_NAMES {
+            result = Err(ForkError::NamesInUse {
+                dir: dir.to_path_buf(),
+                prefix: prefix.clone(),
+            });
+            break;
+        }
         let index = vm.info.next_clone;
-        vm.info.next_clone += 1;
+        vm.info.next_clone = index.checked_add(1).ok_or(ForkError::NamesExhausted)?;
         let name = format!("{prefix}{index}");
-        match spawn_clone(dir, name, index, &parent, &state_file, &base) {
+        crate::identity::check_name(&name)?;
+        // A name in use (by a live clone of an earlier fork) is skipped, not reused.
+        let Some((info, log)) = claim_clone_files(dir, &name)? else {
+            skipped += 1;
+            continue;
+        };
+        let vsock_cid = clone_cid()?;
+        match spawn_clone(
+            CloneInfo {
+                index,
+                vsock_cid,
+                ..info
+            },
+            log,
+            &parent,
+            &state_file,
+            &base,
+        ) {
             Ok(clone) => starting.push(clone),
             Err(err) => {
-                for clone in &starting {
-                    kill(clone.info.pid);
-                }
-                return Err(err);
+                result = Err(err);
+                break;
             }
         }
+    }
+    if let Err(err) = result {
+        for clone in &starting {
+            kill(clone.info.pid);
+        }
+        return Err(err);
     }
     let spawn_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms - state_ms - freeze_ms;
     let clones = wait_ready(starting)?;

@@ -10,8 +10,11 @@
 //! - The identity page ([`IDENTITY_PAGE_ADDR`], described in the DSDT as device MIDT): text the
 //!   guest can read through /dev/mem (`mayfly-identity` in the default rootfs), with the VM's
 //!   name, its clone index, its parent's name, and how many restores it descends from.
-
-use std::collections::BTreeMap;
+//!
+//! The identity page is written by the VMM only, and never read back: guest memory belongs to
+//! the guest, which can write anything there. The identity itself lives in the VMM's own state
+//! (the snapshot's state file, checksummed and checked), and every host path a VM derives from
+//! a name uses a name [`check_name`] accepted.
 
 use vm_memory::{Bytes, GuestAddress};
 
@@ -28,16 +31,8 @@ pub enum IdentityError {
     BadName(String),
 }
 
-/// Who a VM is.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Identity {
-    pub name: String,
-    /// Which clone of its parent's fork this VM is.
-    pub index: Option<u32>,
-    pub parent: Option<String>,
-    /// Restores (of snapshots or clones) since this VM's lineage booted.
-    pub generation: u64,
-}
+/// Who a VM is: name, clone index, parent, generation (the snapshot format's type).
+pub use mayfly_snapshot::IdentityState as Identity;
 
 /// Names go into paths (sockets, logs) and the guest's identity page.
 pub fn check_name(name: &str) -> Result<(), IdentityError> {
@@ -54,74 +49,43 @@ pub fn check_name(name: &str) -> Result<(), IdentityError> {
     }
 }
 
-impl Identity {
-    fn render(&self) -> String {
-        format!(
-            "name={}\nindex={}\nparent={}\ngeneration={}\n",
-            self.name,
-            self.index.map(|i| i.to_string()).unwrap_or_default(),
-            self.parent.as_deref().unwrap_or(""),
-            self.generation
-        )
+/// Check an identity that came from a file (a snapshot's state): its names must be names.
+pub fn check(identity: &Identity) -> Result<(), IdentityError> {
+    check_name(&identity.name)?;
+    if let Some(parent) = &identity.parent {
+        check_name(parent)?;
     }
-
-    fn parse(text: &str) -> Self {
-        let fields: BTreeMap<&str, &str> = text.lines().filter_map(|l| l.split_once('=')).collect();
-        Identity {
-            name: fields.get("name").copied().unwrap_or("").to_string(),
-            index: fields.get("index").and_then(|i| i.parse().ok()),
-            parent: fields
-                .get("parent")
-                .filter(|p| !p.is_empty())
-                .map(|p| p.to_string()),
-            generation: fields
-                .get("generation")
-                .and_then(|g| g.parse().ok())
-                .unwrap_or(0),
-        }
-    }
-
-    /// The identity a snapshot's guest memory holds (empty if it has none).
-    pub fn read(mem: &GuestMemory) -> Self {
-        let mut page = vec![0u8; IDENTITY_PAGE_SIZE as usize];
-        if mem
-            .read_slice(&mut page, GuestAddress(IDENTITY_PAGE_ADDR))
-            .is_err()
-        {
-            return Identity::default();
-        }
-        let end = page.iter().position(|&b| b == 0).unwrap_or(page.len());
-        Identity::parse(&String::from_utf8_lossy(&page[..end]))
-    }
-
-    /// Write the identity page (NUL-padded text).
-    pub fn write(&self, mem: &GuestMemory) -> Result<(), IdentityError> {
-        let mut page = vec![0u8; IDENTITY_PAGE_SIZE as usize];
-        let text = self.render();
-        let len = text.len().min(page.len() - 1);
-        page[..len].copy_from_slice(&text.as_bytes()[..len]);
-        mem.write_slice(&page, GuestAddress(IDENTITY_PAGE_ADDR))?;
-        Ok(())
-    }
+    Ok(())
 }
+
+fn render(identity: &Identity) -> String {
+    format!(
+        "name={}\nindex={}\nparent={}\ngeneration={}\n",
+        identity.name,
+        identity.index.map(|i| i.to_string()).unwrap_or_default(),
+        identity.parent.as_deref().unwrap_or(""),
+        identity.generation
+    )
+}
+
+/// Write the identity page (NUL-padded text) for the guest to read.
+pub fn write_page(identity: &Identity, mem: &GuestMemory) -> Result<(), IdentityError> {
+    let mut page = vec![0u8; IDENTITY_PAGE_SIZE as usize];
+    let text = render(identity);
+    let len = text.len().min(page.len() - 1);
+    page[..len].copy_from_slice(&text.as_bytes()[..len]);
+    mem.write_slice(&page, GuestAddress(IDENTITY_PAGE_ADDR))?;
+    Ok(())
+}
+
+/// Fill `buf` from the host's RNG (getrandom): one implementation, the rng device's.
+pub use mayfly_devices::virtio::rng::host_random;
 
 /// Give the VM a new generation ID from the host's RNG. The caller then raises the Generic
 /// Event Device's interrupt so the guest notices.
 pub fn new_generation_id(mem: &GuestMemory) -> Result<(), IdentityError> {
     let mut id = [0u8; 16];
-    let mut filled = 0;
-    while filled < id.len() {
-        // SAFETY: getrandom writes at most the given length into our buffer.
-        let n = unsafe { libc::getrandom(id[filled..].as_mut_ptr().cast(), id.len() - filled, 0) };
-        if n < 0 {
-            let err = std::io::Error::last_os_error();
-            if err.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(IdentityError::Random(err));
-        }
-        filled += n as usize;
-    }
+    host_random(&mut id).map_err(IdentityError::Random)?;
     mem.write_slice(&id, GuestAddress(VMGENID_ADDR))?;
     Ok(())
 }
@@ -132,23 +96,35 @@ mod tests {
     use crate::memory::GuestRam;
 
     #[test]
-    fn identity_round_trips_through_guest_memory() {
+    fn the_identity_page_is_text_the_guest_reads() {
         let ram = GuestRam::new_memfd(2 << 20).unwrap();
-        assert_eq!(Identity::read(&ram.memory), Identity::default());
         let id = Identity {
             name: "web-3".into(),
             index: Some(3),
             parent: Some("web".into()),
             generation: 7,
         };
-        id.write(&ram.memory).unwrap();
-        assert_eq!(Identity::read(&ram.memory), id);
-        let root = Identity {
-            name: "root".into(),
+        write_page(&id, &ram.memory).unwrap();
+        let mut page = vec![0u8; IDENTITY_PAGE_SIZE as usize];
+        ram.memory
+            .read_slice(&mut page, GuestAddress(IDENTITY_PAGE_ADDR))
+            .unwrap();
+        let text = String::from_utf8_lossy(&page);
+        assert!(text.starts_with("name=web-3\nindex=3\nparent=web\ngeneration=7\n\0"));
+    }
+
+    #[test]
+    fn identities_from_files_are_checked() {
+        let mut id = Identity {
+            name: "ok".into(),
             ..Identity::default()
         };
-        root.write(&ram.memory).unwrap();
-        assert_eq!(Identity::read(&ram.memory), root);
+        assert!(check(&id).is_ok());
+        id.parent = Some("../../etc".into());
+        assert!(check(&id).is_err());
+        id.parent = None;
+        id.name = "a/b".into();
+        assert!(check(&id).is_err());
     }
 
     #[test]

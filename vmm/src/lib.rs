@@ -12,16 +12,21 @@
 #[cfg(not(target_arch = "x86_64"))]
 compile_error!("mayfly supports x86-64 hosts only");
 
+pub mod agent;
 pub mod api;
 pub mod arch;
 pub mod boot;
 pub mod config;
 pub mod console;
-pub mod devices;
+pub mod controller;
+pub mod device_manager;
+pub mod diagnostics;
+pub mod event;
 pub mod fork;
 pub mod identity;
 pub mod kernel;
 pub mod lazy;
+pub mod machine;
 pub mod memory;
 pub mod restore;
 pub mod snapshot;

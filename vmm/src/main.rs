@@ -7,10 +7,14 @@ use std::sync::mpsc::Sender;
 use clap::{Args, Parser, Subcommand};
 use mayfly_vmm::config::{self, RunConfig, DEFAULT_CMDLINE, DEFAULT_MEM_MIB};
 use mayfly_vmm::console::{Console, RawTerminal};
+use mayfly_vmm::controller::Controller;
+use mayfly_vmm::device_manager::{self, DevicesConfig, RestoreTargets, VsockConfig};
+use mayfly_vmm::event::{VmEvent, VmExit};
 use mayfly_vmm::kernel::Image;
-use mayfly_vmm::restore::{self, MemoryMode, RestoreConfig, SnapshotFiles};
-use mayfly_vmm::vm::{Vm, VmEvent, VmExit};
+use mayfly_vmm::restore::{self, MemoryMode, RestoreConfig, SnapshotSource};
 use mayfly_vmm::{api, boot, default_guest, identity, trace, Error};
+
+mod guest_commands;
 
 #[derive(Parser)]
 #[command(
@@ -56,6 +60,19 @@ enum Command {
     /// console input FIFO, next to the parent's socket: <name>.sock, <name>.log, <name>.in.
     /// The parent keeps running (or stays paused with --keep-paused).
     Fork(ForkArgs),
+    /// Run a command in the VM through its guest agent; exits with the command's status.
+    ///
+    /// Output streams as it is written (stdout to stdout, stderr to stderr); stdin is sent
+    /// to the command unless it is a terminal. Exit status: the command's; 128+N if a signal N
+    /// killed it; 124 if --timeout killed it; 127 if it does not exist; 255 if mayfly could
+    /// not run it (the message says why).
+    ///
+    /// Example: mayfly exec --sock /tmp/vm.sock -- uname -a
+    Exec(guest_commands::ExecArgs),
+    /// Copy a file into or out of the VM: one side is vm:/path, the other a local path or -.
+    ///
+    /// Example: mayfly cp --sock /tmp/vm.sock ./data.csv vm:/root/data.csv
+    Cp(guest_commands::CpArgs),
 }
 
 #[derive(Args)]
@@ -95,14 +112,14 @@ struct SnapshotArgs {
 #[derive(Args)]
 struct RestoreArgs {
     /// The snapshot directory.
-    #[arg(value_name = "DIR", required_unless_present_all = ["state_file", "memory_file"])]
+    #[arg(value_name = "DIR", required_unless_present_all = ["state_fd", "memory_fd"])]
     dir: Option<PathBuf>,
-    /// The state file, instead of DIR/state (clones get theirs this way).
-    #[arg(long, value_name = "PATH", hide = true, requires = "memory_file")]
-    state_file: Option<PathBuf>,
-    /// The memory file, instead of DIR/memory.
-    #[arg(long, value_name = "PATH", hide = true, requires = "state_file")]
-    memory_file: Option<PathBuf>,
+    /// Set by a fork: the descriptor of the state (instead of DIR/state).
+    #[arg(long, value_name = "FD", hide = true, requires = "memory_fd")]
+    state_fd: Option<i32>,
+    /// Set by a fork: the descriptor of the memory base (instead of DIR/memory).
+    #[arg(long, value_name = "FD", hide = true, requires = "state_fd")]
+    memory_fd: Option<i32>,
     /// The VM's name (default: the snapshot's). Its guest reads it with `mayfly-identity`.
     #[arg(long, value_name = "NAME")]
     name: Option<String>,
@@ -139,6 +156,24 @@ struct RestoreArgs {
     /// Print restore phase timestamps on stderr (for benchmarks).
     #[arg(long, hide = true)]
     trace: bool,
+    /// The host side of the VM's vsock device (see `mayfly run --vsock`). Default:
+    /// `<api-sock>.vsock` when there is a control socket.
+    #[arg(long, value_name = "PATH")]
+    vsock: Option<PathBuf>,
+    /// Set by a fork: the clone's own vsock CID.
+    #[arg(long, value_name = "CID", hide = true)]
+    vsock_cid: Option<u64>,
+}
+
+/// The vsock socket: as given, or beside the control socket.
+fn vsock_path(explicit: Option<PathBuf>, api_sock: Option<&Path>) -> Option<PathBuf> {
+    explicit.or_else(|| {
+        api_sock.map(|sock| {
+            let mut path = sock.as_os_str().to_owned();
+            path.push(".vsock");
+            PathBuf::from(path)
+        })
+    })
 }
 
 #[derive(Args)]
@@ -174,6 +209,17 @@ struct RunArgs {
     /// Print boot phase timestamps on stderr (for benchmarks).
     #[arg(long, hide = true)]
     boot_trace: bool,
+    /// Give the VM the probe device (the probe benchmark's guest reports through it).
+    #[arg(long, hide = true)]
+    probe: bool,
+    /// The host side of the VM's vsock device: a Unix socket (host-to-guest connections
+    /// send `CONNECT <port>`; guest-to-host ones reach `<PATH>_<port>`). Default:
+    /// `<api-sock>.vsock` when there is a control socket.
+    #[arg(long, value_name = "PATH")]
+    vsock: Option<PathBuf>,
+    /// The guest's vsock CID.
+    #[arg(long, value_name = "CID", default_value_t = device_manager::DEFAULT_GUEST_CID)]
+    vsock_cid: u64,
 }
 
 impl RunArgs {
@@ -212,6 +258,14 @@ impl RunArgs {
             console: self.console,
             cpu_template: boot::cpu_template(self.cpu_template.as_deref())?,
             boot_trace: self.boot_trace,
+            probe: self.probe,
+            devices: DevicesConfig {
+                rng: true,
+                vsock: Some(VsockConfig {
+                    guest_cid: self.vsock_cid,
+                    path: vsock_path(self.vsock, self.api_sock.as_deref()),
+                }),
+            },
             api_sock: self.api_sock,
             name: match self.name {
                 Some(name) => {
@@ -227,8 +281,11 @@ impl RunArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Run(args) => run(args),
-        Command::Restore(args) => restore(args),
+        Command::Run(args) => with_stop_signals(None, |signals| run(args, signals)),
+        Command::Restore(args) => {
+            let ready = args.ready_fd.map(ReadyReport::new);
+            with_stop_signals(ready, |signals| restore(args, signals))
+        }
         Command::Pause(args) => client(&args.sock, "PUT", "/vm/pause", None),
         Command::Resume(args) => client(&args.sock, "PUT", "/vm/resume", None),
         Command::Status(args) => client(&args.sock, "GET", "/vm", None),
@@ -244,6 +301,8 @@ fn main() -> ExitCode {
                 "parent": if args.keep_paused { "paused" } else { "running" },
             })),
         ),
+        Command::Exec(args) => guest_commands::exec(args),
+        Command::Cp(args) => guest_commands::cp(args),
     }
 }
 
@@ -252,7 +311,28 @@ fn fail(err: impl std::fmt::Display) -> ExitCode {
     ExitCode::FAILURE
 }
 
-fn run(args: RunArgs) -> ExitCode {
+/// Run `body` with the stop signals taken by a thread of their own from the first moment: a
+/// VMM told to stop while it is still starting its VM exits then and there.
+fn with_stop_signals(
+    ready: Option<ReadyReport>,
+    body: impl FnOnce(Started) -> ExitCode,
+) -> ExitCode {
+    if let Err(err) = mayfly_vmm::memory::install_sigbus_handler() {
+        return fail_and_report(ready, Error::Signals(err));
+    }
+    match StopSignals::start() {
+        Ok(signals) => body(Started { signals, ready }),
+        Err(err) => fail_and_report(ready, Error::Signals(err)),
+    }
+}
+
+/// What `run` and `restore` start with: the signal thread, and whom to tell that the VM runs.
+struct Started {
+    signals: StopSignals,
+    ready: Option<ReadyReport>,
+}
+
+fn run(args: RunArgs, started: Started) -> ExitCode {
     if args.boot_trace {
         trace::enable();
         trace::event("main");
@@ -262,15 +342,17 @@ fn run(args: RunArgs) -> ExitCode {
         Err(err) => return fail(err),
     };
     let console = config.console.clone();
-    serve(&console, None, || boot::boot(&config).map_err(Error::Boot))
+    serve(&console, started, || {
+        boot::boot(&config).map_err(Error::Boot)
+    })
 }
 
-fn restore(args: RestoreArgs) -> ExitCode {
+fn restore(args: RestoreArgs, started: Started) -> ExitCode {
     if args.trace {
         trace::enable();
         trace::event("main");
     }
-    let ready = args.ready_fd.map(ReadyReport::new);
+    let Started { signals, ready } = started;
     let memory = match (args.memory, args.no_prefetch) {
         (MemoryMode::Lazy { .. }, true) => MemoryMode::Lazy { prefetch: false },
         (mode, _) => mode,
@@ -280,33 +362,46 @@ fn restore(args: RestoreArgs) -> ExitCode {
             return fail_and_report(ready, err);
         }
     }
-    let (files, origin) = match (&args.dir, args.state_file, args.memory_file) {
-        (_, Some(state), Some(memory)) => (
-            SnapshotFiles { state, memory },
-            match &args.clone_of {
-                Some(parent) => format!("fork of {parent}"),
-                None => "restore".to_string(),
-            },
-        ),
+    if let Some(parent) = &args.clone_of {
+        if let Err(err) = identity::check_name(parent) {
+            return fail_and_report(ready, err);
+        }
+    }
+    let (source, origin) = match (&args.dir, args.state_fd, args.memory_fd) {
+        (_, Some(state), Some(memory)) => match SnapshotSource::inherited(state, memory) {
+            Ok(source) => (
+                source,
+                match &args.clone_of {
+                    Some(parent) => format!("fork of {parent}"),
+                    None => "restore".to_string(),
+                },
+            ),
+            Err(err) => return fail_and_report(ready, Error::Restore(err)),
+        },
         (Some(dir), _, _) => (
-            SnapshotFiles::in_dir(dir),
+            SnapshotSource::Dir(dir.clone()),
             format!("restore of {}", dir.display()),
         ),
-        _ => unreachable!("clap requires DIR or both files"),
+        _ => unreachable!("clap requires DIR or both descriptors"),
     };
     let config = RestoreConfig {
-        files,
+        source,
         origin,
         memory,
         console: args.console,
         console_input: args.console_input,
-        api_sock: args.api_sock,
+        api_sock: args.api_sock.clone(),
         paused: args.paused,
         name: args.name,
         clone_of: args.clone_of.zip(args.clone_index),
+        devices: RestoreTargets {
+            vsock_path: vsock_path(args.vsock, args.api_sock.as_deref()),
+            vsock_cid: args.vsock_cid,
+        },
     };
-    serve(&config.console, ready, || {
-        restore::restore(&config).map_err(Error::Restore)
+    let console = config.console.clone();
+    serve(&console, Started { signals, ready }, || {
+        restore::restore(config).map_err(Error::Restore)
     })
 }
 
@@ -338,22 +433,18 @@ fn fail_and_report(ready: Option<ReadyReport>, err: impl std::fmt::Display) -> E
 /// Start a VM with `start` and run it until it ends; the process exit status says how.
 fn serve(
     console: &Console,
-    ready: Option<ReadyReport>,
-    start: impl FnOnce() -> Result<Vm, Error>,
+    started: Started,
+    start: impl FnOnce() -> Result<Controller, Error>,
 ) -> ExitCode {
-    // Block the stop signals before any thread starts, so only the signal thread takes them.
-    let signals = match StopSignals::block() {
-        Ok(signals) => signals,
-        Err(err) => return fail_and_report(ready, Error::Signals(err)),
-    };
+    let Started { signals, ready } = started;
     // Clones this VM forks are reaped by the kernel, not waited for.
     // SAFETY: setting a signal's disposition to "ignore" has no other effect.
     unsafe { libc::signal(libc::SIGCHLD, libc::SIG_IGN) };
     let raw_terminal = (*console == Console::Stdio)
         .then(RawTerminal::stdin)
         .flatten();
-    let vm = match start() {
-        Ok(vm) => vm,
+    let controller = match start() {
+        Ok(controller) => controller,
         Err(err) => {
             drop(raw_terminal);
             return fail_and_report(ready, err);
@@ -363,11 +454,8 @@ fn serve(
     if let Some(ready) = ready {
         ready.send("ready");
     }
-    if let Err(err) = signals.forward_to(vm.event_sender.clone()) {
-        drop(raw_terminal);
-        return fail(Error::Signals(err));
-    }
-    let exit = vm.run();
+    signals.forward_to(controller.event_sender.clone());
+    let exit = controller.run();
     drop(raw_terminal);
     match &exit {
         VmExit::PowerOff | VmExit::Shutdown => {}
@@ -447,44 +535,79 @@ fn snapshot(args: SnapshotArgs) -> ExitCode {
     code
 }
 
-/// SIGTERM, SIGINT and SIGHUP end the VM cleanly: blocked everywhere, taken by one thread.
+/// SIGTERM, SIGINT and SIGHUP end the VM cleanly: blocked everywhere from the start of `main`
+/// and taken by one thread. Until the VM runs, a stop signal ends the process at once (status
+/// 128+N), whatever phase the start is in; once it runs, the signal goes to the VM's controller,
+/// which stops the VM cleanly. SIGUSR1 asks a running VM for a state dump; the lease signal
+/// says another process is about to change the VM's memory file.
 struct StopSignals {
-    set: libc::sigset_t,
+    sink: std::sync::Arc<std::sync::Mutex<Option<Sender<VmEvent>>>>,
 }
 
 impl StopSignals {
-    fn block() -> std::io::Result<Self> {
+    fn start() -> std::io::Result<Self> {
+        let lease = mayfly_vmm::memory::lease_signal();
         // SAFETY: sigset_t is plain data, initialised by sigemptyset before use.
         let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
         // SAFETY: `set` is a valid sigset_t; the signal numbers are valid.
         unsafe {
             libc::sigemptyset(&mut set);
-            libc::sigaddset(&mut set, libc::SIGTERM);
-            libc::sigaddset(&mut set, libc::SIGINT);
-            libc::sigaddset(&mut set, libc::SIGHUP);
-            // Not a stop signal: asks for a state dump on stderr.
-            libc::sigaddset(&mut set, libc::SIGUSR1);
+            for sig in [
+                libc::SIGTERM,
+                libc::SIGINT,
+                libc::SIGHUP,
+                libc::SIGUSR1,
+                lease,
+            ] {
+                libc::sigaddset(&mut set, sig);
+            }
         }
-        // SAFETY: blocks the signals in `set` for this thread (and threads it starts).
+        // SAFETY: blocks the signals in `set` for this thread (and the threads it starts).
         let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
         if rc != 0 {
             return Err(std::io::Error::from_raw_os_error(rc));
         }
-        Ok(Self { set })
-    }
-
-    fn forward_to(self, events: Sender<VmEvent>) -> std::io::Result<()> {
+        let sink: std::sync::Arc<std::sync::Mutex<Option<Sender<VmEvent>>>> = Default::default();
+        let thread_sink = sink.clone();
         std::thread::Builder::new()
             .name("signals".into())
             .stack_size(mayfly_vmm::HELPER_THREAD_STACK)
             .spawn(move || loop {
                 let mut sig = 0;
                 // SAFETY: waits for a signal of the blocked set; `sig` receives its number.
-                let waited = unsafe { libc::sigwait(&self.set, &mut sig) };
-                if waited == 0 && events.send(VmEvent::Signal(sig)).is_err() {
-                    return;
+                if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+                    continue;
+                }
+                let sink = thread_sink.lock().unwrap_or_else(|p| p.into_inner());
+                let event = if sig == lease {
+                    VmEvent::MemoryFailed(
+                        "another process is opening the VM's memory file for writing or \
+                         truncating it; the VM stops rather than run on memory that changes \
+                         under it (restore with --memory eager to copy the memory instead)"
+                            .into(),
+                    )
+                } else {
+                    VmEvent::Signal(sig)
+                };
+                match &*sink {
+                    Some(events) => {
+                        if events.send(event).is_err() {
+                            return;
+                        }
+                    }
+                    None if sig == libc::SIGUSR1 => {}
+                    None => {
+                        mayfly_vmm::console::restore_terminal();
+                        eprintln!("mayfly: stopped by signal {sig} before the VM started");
+                        std::process::exit(128 + sig);
+                    }
                 }
             })?;
-        Ok(())
+        Ok(Self { sink })
+    }
+
+    /// From now on signals go to the VM's controller.
+    fn forward_to(self, events: Sender<VmEvent>) {
+        *self.sink.lock().unwrap_or_else(|p| p.into_inner()) = Some(events);
     }
 }

@@ -39,6 +39,68 @@ pub enum MemoryError {
     Copy(std::io::Error),
     #[error("guest memory layout is invalid: {0}")]
     Layout(String),
+    #[error("cannot seal the fork's memory base so that nothing can change it: {0}")]
+    Seal(std::io::Error),
+}
+
+/// The seals a memory base carries: its size and contents can never change again.
+const BASE_SEALS: libc::c_int =
+    libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE | libc::F_SEAL_SEAL;
+
+/// Seal `file` (a memfd this process made with MFD_ALLOW_SEALING) as a memory base.
+fn seal_base(file: &File) -> Result<(), MemoryError> {
+    // SAFETY: fcntl on a descriptor we own; the result is checked.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, BASE_SEALS) } < 0 {
+        return Err(MemoryError::Seal(std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// fcntl(2)'s F_SETSIG, which the libc crate does not name.
+const F_SETSIG: libc::c_int = 10;
+
+/// The signal the kernel sends when another process wants to change a memory file this VM
+/// holds a lease on (see [`GuestRam::protect_backing`]).
+pub fn lease_signal() -> libc::c_int {
+    vmm_sys_util::signal::SIGRTMIN() + 1
+}
+
+/// Turn a SIGBUS in the VMM (its own access to guest memory whose file was truncated: a
+/// snapshot being written, a device reading a queue) into one line that says so and exit
+/// status 1, instead of a core dump that blames nobody.
+pub fn install_sigbus_handler() -> std::io::Result<()> {
+    extern "C" fn on_sigbus(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+        const MSG: &[u8] = b"mayfly: guest memory became unreadable (SIGBUS): the VM's memory file was truncated or changed under it; stopping\n";
+        // SAFETY: write(2) and _exit(2) are async-signal-safe; MSG is a static buffer.
+        unsafe {
+            libc::write(2, MSG.as_ptr().cast(), MSG.len());
+            libc::_exit(1);
+        }
+    }
+    // SAFETY: sigaction is plain data, zeroed then filled in.
+    let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+    action.sa_sigaction = on_sigbus as *const () as usize;
+    action.sa_flags = libc::SA_SIGINFO;
+    // SAFETY: installs a handler that only calls async-signal-safe functions.
+    if unsafe { libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// How guest RAM's backing file is kept from changing under the VM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackingProtection {
+    /// The VM's own memory (a memfd nobody else holds, or anonymous memory).
+    Private,
+    /// A sealed memfd: its size and contents cannot change.
+    Sealed,
+    /// A read lease: before another process opens the file for writing or truncates it, the
+    /// kernel tells this VMM (the [`lease_signal`]), which stops the VM.
+    Leased,
+    /// Neither was possible (e.g. the file is open for writing elsewhere): a change is still
+    /// caught, when the guest or the VMM trips over it.
+    Unprotected,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,8 +139,15 @@ pub struct HostRegion {
 }
 
 fn memfd(len: u64) -> Result<File, MemoryError> {
+    // Sealable: a memfd that becomes a fork's base is sealed so that nothing can change it
+    // under the clones that map it.
     // SAFETY: the name is a valid NUL-terminated string; the return value is checked.
-    let fd = unsafe { libc::memfd_create(c"mayfly-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe {
+        libc::memfd_create(
+            c"mayfly-guest-ram".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
     if fd < 0 {
         return Err(MemoryError::Memfd(std::io::Error::last_os_error()));
     }
@@ -180,7 +249,7 @@ impl GuestRam {
     /// a new memfd. The vCPUs must be paused; KVM drops its mappings of the old pages when the
     /// new mapping replaces them at the same address (MMU notifiers), so the memory slots stay.
     /// Also returns how many bytes had to be copied.
-    pub fn freeze(&mut self) -> Result<(File, u64), MemoryError> {
+    pub fn freeze(&mut self, snapshot_id: &[u8; 16]) -> Result<(File, u64), MemoryError> {
         let mut copied = 0;
         if self.kind != RamKind::Memfd {
             let base = memfd(self.size())?;
@@ -208,15 +277,72 @@ impl GuestRam {
             unsafe { libc::madvise(addr, region.len, libc::MADV_HUGEPAGE) };
         }
         self.kind = RamKind::CopyOnWrite;
+        // No shared mapping of the base is left anywhere: seal it, so that not even this VMM
+        // can change what the clones map.
+        mayfly_snapshot::write_trailer(&self.backing, self.size(), snapshot_id)
+            .map_err(MemoryError::Copy)?;
+        seal_base(&self.backing)?;
         let base = self.backing.try_clone().map_err(MemoryError::Memfd)?;
         Ok((base, copied))
     }
 
-    /// A copy of guest RAM in a new memfd (sparse), leaving this VM's memory as it is.
-    pub fn copy_to_memfd(&self) -> Result<(File, u64), MemoryError> {
+    /// A copy of guest RAM in a new sealed memfd (sparse), leaving this VM's memory as it is.
+    pub fn copy_to_memfd(&self, snapshot_id: &[u8; 16]) -> Result<(File, u64), MemoryError> {
         let base = memfd(self.size())?;
         let copied = self.write_sparse(&base).map_err(MemoryError::Copy)?.bytes;
+        mayfly_snapshot::write_trailer(&base, self.size(), snapshot_id)
+            .map_err(MemoryError::Copy)?;
+        seal_base(&base)?;
         Ok((base, copied))
+    }
+
+    /// Keep the file behind a copy-on-write VM's RAM from changing under it: a sealed memfd
+    /// (a fork's base) cannot change; a snapshot's memory file gets a read lease, so the
+    /// kernel warns this VMM (with [`lease_signal`]) before anyone opens it for writing or
+    /// truncates it, and the VMM stops the VM instead of running it on changed memory.
+    pub fn protect_backing(&self) -> BackingProtection {
+        if self.kind != RamKind::CopyOnWrite {
+            return BackingProtection::Private;
+        }
+        let fd = self.backing.as_raw_fd();
+        // SAFETY: fcntl on a descriptor we own; the result is checked.
+        let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
+        let needed = libc::F_SEAL_SHRINK | libc::F_SEAL_WRITE;
+        if seals >= 0 && seals & needed == needed {
+            return BackingProtection::Sealed;
+        }
+        // SAFETY: fcntl on a descriptor we own, with a valid signal number; checked.
+        let leased = unsafe {
+            libc::fcntl(fd, F_SETSIG, lease_signal()) == 0
+                && libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) == 0
+        };
+        if leased {
+            BackingProtection::Leased
+        } else {
+            BackingProtection::Unprotected
+        }
+    }
+
+    /// Whether the backing file still holds all of guest RAM; if not, what happened (to name
+    /// the real cause when the guest crashes on memory that vanished).
+    pub fn backing_problem(&self) -> Option<String> {
+        if self.kind == RamKind::Memfd {
+            return None;
+        }
+        let needed = self
+            .ranges
+            .iter()
+            .map(|r| r.file_offset + r.size)
+            .max()
+            .unwrap_or(0);
+        match self.backing.metadata() {
+            Ok(meta) if meta.len() >= needed => None,
+            Ok(meta) => Some(format!(
+                "the VM's memory file was truncated under it (it is now {} bytes; the VM needs {needed})",
+                meta.len()
+            )),
+            Err(e) => Some(format!("the VM's memory file cannot be checked: {e}")),
+        }
     }
 
     /// Total bytes of guest RAM.
@@ -519,7 +645,7 @@ mod tests {
         let region = ram.host_regions()[0];
         // SAFETY: inside the 2 MiB mapping this test owns.
         unsafe { *region.host_addr.add(100) = 1 };
-        let (base, copied) = ram.freeze().unwrap();
+        let (base, copied) = ram.freeze(&[1; 16]).unwrap();
         assert_eq!(copied, 0, "a memfd VM's memfd is the base as it is");
         assert_eq!(ram.kind, RamKind::CopyOnWrite);
         // SAFETY: the same address, now a private mapping of the base.
@@ -530,9 +656,17 @@ mod tests {
         let mut byte = [0u8];
         base.read_exact_at(&mut byte, 100).unwrap();
         assert_eq!(byte, [1], "the base keeps the fork instant");
+        // Sealed: nobody can change or truncate the base any more.
+        mayfly_snapshot::check_trailer(&base, 2 << 20, &[1; 16], "base").unwrap();
+        assert!(base.set_len(4096).is_err(), "a sealed base cannot shrink");
+        assert!(
+            base.write_all_at(&[9], 100).is_err(),
+            "a sealed base cannot be written"
+        );
+        assert_eq!(ram.protect_backing(), BackingProtection::Sealed);
 
         // Freezing a copy-on-write VM writes its current memory into a new base.
-        let (second, copied) = ram.freeze().unwrap();
+        let (second, copied) = ram.freeze(&[2; 16]).unwrap();
         assert_eq!(copied, 4096, "one page holds data");
         second.read_exact_at(&mut byte, 100).unwrap();
         assert_eq!(byte, [2]);

@@ -1,7 +1,10 @@
 //! The restore path, start to finish: from a snapshot directory to a running [`Vm`].
 //!
-//! 1. Read and check the state file (format, checksum, architecture, host fingerprint) and the
-//!    memory file's size, before creating anything.
+//! 1. Open the snapshot directory once and both files inside it (regular files only), read the
+//!    state file with a size cap, and check it (format, checksum, architecture, host
+//!    fingerprint) and what it asks for (vCPUs, RAM, layout, names) with the same rules as
+//!    `mayfly run`; check that the memory file's trailer names this snapshot. All before
+//!    creating anything.
 //! 2. Map guest RAM in the requested mode ([`MemoryMode`]) and register it with KVM before the
 //!    in-kernel irqchip (as at boot).
 //! 3. Restore the PIT, the KVM clock (moved on by the time spent on disk, so the guest's wall
@@ -10,21 +13,27 @@
 //!    the time on disk), start the lazy memory handler if any, and start the vCPUs.
 
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
 use std::sync::mpsc::channel;
 
 use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
-use mayfly_snapshot::{VmState, MEMORY_FILE, STATE_FILE};
+use mayfly_snapshot::{SnapshotDir, VmState, MEMORY_FILE, STATE_FILE};
 
+use crate::api::SocketClaim;
 use crate::arch::kvm_state::{self, KvmCaps, StateError};
 use crate::arch::layout::RamRange;
 use crate::console::{self, Console};
-use crate::devices::{create_devices, DeviceError};
+use crate::controller::Controller;
+use crate::device_manager::{DeviceError, DeviceManager, RestoreTargets, Wiring};
+use crate::event::VmEvent;
 use crate::identity::{self, Identity, IdentityError};
 use crate::lazy::{self, LazyOptions, LazyRegion};
+use crate::machine::{Machine, VmInfo};
 use crate::memory::{GuestRam, MemoryError};
 use crate::trace;
-use crate::vm::{self, kvm_err, Vm, VmError, VmEvent, VmInfo};
+use crate::vcpu::VcpuContext;
+use crate::vm::{self, kvm_err, Vm, VmError};
 
 /// How a restored VM gets its memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,26 +63,49 @@ impl std::str::FromStr for MemoryMode {
     }
 }
 
-/// Where a snapshot's two files are.
-#[derive(Clone, Debug)]
-pub struct SnapshotFiles {
-    pub state: PathBuf,
-    pub memory: PathBuf,
+/// Where a snapshot comes from.
+#[derive(Debug)]
+pub enum SnapshotSource {
+    /// A snapshot directory on disk.
+    Dir(PathBuf),
+    /// What a fork hands a clone: its state (a sealed memfd) and the memory base, as
+    /// descriptors this process owns.
+    Inherited { state: File, memory: File },
 }
 
-impl SnapshotFiles {
-    /// The files of a snapshot directory.
-    pub fn in_dir(dir: &Path) -> Self {
-        Self {
-            state: dir.join(STATE_FILE),
-            memory: dir.join(MEMORY_FILE),
-        }
+impl SnapshotSource {
+    /// Take over descriptors a fork passed (`--state-fd`, `--memory-fd`): they become
+    /// close-on-exec at once, so this VM's own clones never inherit (and pin) them.
+    pub fn inherited(state_fd: i32, memory_fd: i32) -> Result<Self, RestoreError> {
+        let take = |fd: i32, what: &'static str| -> Result<File, RestoreError> {
+            // SAFETY: fcntl on a plain integer; F_GETFD only reads the descriptor's flags.
+            if fd <= 2 || unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+                return Err(RestoreError::BadDescriptor { fd, what });
+            }
+            // SAFETY: the fork passed this descriptor for this restore alone; nothing else in
+            // this process uses it, so it can own it.
+            let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+            // SAFETY: sets FD_CLOEXEC on the descriptor this value now owns.
+            unsafe { libc::fcntl(owned.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+            let file = File::from(owned);
+            let meta = file
+                .metadata()
+                .map_err(|_| RestoreError::BadDescriptor { fd, what })?;
+            if !meta.file_type().is_file() {
+                return Err(RestoreError::BadDescriptor { fd, what });
+            }
+            Ok(file)
+        };
+        Ok(SnapshotSource::Inherited {
+            state: take(state_fd, "state")?,
+            memory: take(memory_fd, "memory")?,
+        })
     }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct RestoreConfig {
-    pub files: SnapshotFiles,
+    pub source: SnapshotSource,
     /// How `GET /vm` names where the VM came from.
     pub origin: String,
     pub memory: MemoryMode,
@@ -88,29 +120,22 @@ pub struct RestoreConfig {
     pub name: Option<String>,
     /// For a clone: its parent's name and its index.
     pub clone_of: Option<(String, u32)>,
+    /// Where the restored devices connect on this host (the vsock socket, a clone's CID).
+    pub devices: RestoreTargets,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
-    #[error("{0} is not a directory with a mayfly snapshot (no such directory)")]
-    NoDir(PathBuf),
     #[error(transparent)]
     Format(#[from] mayfly_snapshot::SnapshotError),
+    #[error("descriptor {fd} passed as the snapshot's {what} file is not an open regular file")]
+    BadDescriptor { fd: i32, what: &'static str },
+    #[error("the snapshot asks for something mayfly would not run: {0}")]
+    Refused(String),
     #[error("the snapshot was taken on {found}; this host is {host}")]
     Arch { found: String, host: String },
     #[error("the snapshot was taken on a different host CPU: {0}. Restore it on a host like the one that took it")]
     Fingerprint(String),
-    #[error("the snapshot's memory file {path} is missing: {source}")]
-    MemoryMissing {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("the snapshot's memory file {path} is {found} bytes, but the snapshot needs {expected}: it is truncated or belongs to another snapshot")]
-    MemoryTruncated {
-        path: PathBuf,
-        found: u64,
-        expected: u64,
-    },
     #[error("the snapshot's state is inconsistent: {0}")]
     Inconsistent(String),
     #[error(transparent)]
@@ -140,59 +165,42 @@ pub struct LoadedSnapshot {
     pub header: mayfly_snapshot::Header,
     pub state: VmState,
     pub memory: File,
-    pub memory_path: PathBuf,
+    /// How errors name the memory file.
+    pub memory_path: String,
 }
 
 /// Read and check a snapshot without touching KVM.
-pub fn load(files: &SnapshotFiles) -> Result<LoadedSnapshot, RestoreError> {
-    if let Some(dir) = files.state.parent().filter(|d| !d.as_os_str().is_empty()) {
-        if !dir.exists() {
-            return Err(RestoreError::NoDir(dir.to_path_buf()));
+pub fn load(source: SnapshotSource) -> Result<LoadedSnapshot, RestoreError> {
+    let (state_file, state_path, memory, memory_path) = match source {
+        SnapshotSource::Dir(dir) => {
+            let dir = SnapshotDir::open(&dir)?;
+            let state = dir.open_file(STATE_FILE)?;
+            let memory = dir.open_file(MEMORY_FILE)?;
+            (
+                state,
+                dir.path().join(STATE_FILE),
+                memory,
+                dir.path().join(MEMORY_FILE).display().to_string(),
+            )
         }
-    }
+        SnapshotSource::Inherited { state, memory } => (
+            state,
+            PathBuf::from("the fork's state"),
+            memory,
+            "the fork's memory base".to_string(),
+        ),
+    };
     let (header, state): (mayfly_snapshot::Header, VmState) =
-        mayfly_snapshot::read_state_file(&files.state)?;
+        mayfly_snapshot::read_state(&state_file, &state_path)?;
     if header.arch != std::env::consts::ARCH {
         return Err(RestoreError::Arch {
             found: header.arch,
             host: std::env::consts::ARCH.into(),
         });
     }
-    if state.vcpus.len() != usize::from(state.vcpu_count) || state.vcpus.is_empty() {
-        return Err(RestoreError::Inconsistent(format!(
-            "{} vCPU states for {} vCPUs",
-            state.vcpus.len(),
-            state.vcpu_count
-        )));
-    }
-    let memory_path = files.memory.clone();
-    let memory = File::options()
-        .read(true)
-        .open(&memory_path)
-        .map_err(|source| RestoreError::MemoryMissing {
-            path: memory_path.clone(),
-            source,
-        })?;
-    let expected = state
-        .memory
-        .iter()
-        .map(|r| r.file_offset + r.size)
-        .max()
-        .unwrap_or(0);
-    let found = memory
-        .metadata()
-        .map_err(|source| RestoreError::MemoryMissing {
-            path: memory_path.clone(),
-            source,
-        })?
-        .len();
-    if found < expected || expected != state.mem_bytes {
-        return Err(RestoreError::MemoryTruncated {
-            path: memory_path,
-            found,
-            expected,
-        });
-    }
+    let host_mib = crate::config::host_mem_mib().unwrap_or(u64::MAX);
+    check_state(&state, host_mib)?;
+    mayfly_snapshot::check_trailer(&memory, state.mem_bytes, &state.snapshot_id, &memory_path)?;
     Ok(LoadedSnapshot {
         header,
         state,
@@ -201,10 +209,97 @@ pub fn load(files: &SnapshotFiles) -> Result<LoadedSnapshot, RestoreError> {
     })
 }
 
-/// Restore the snapshot in `config.dir`; returns once every vCPU runs (or waits, paused).
-pub fn restore(config: &RestoreConfig) -> Result<Vm, RestoreError> {
+/// Check what a state file asks for with the rules `mayfly run` applies to its arguments: a
+/// state file is input like any other, its checksum only says it was not damaged.
+pub fn check_state(state: &VmState, host_mib: u64) -> Result<(), RestoreError> {
+    let refuse = |what: String| Err(RestoreError::Refused(what));
+    crate::config::check_vcpus(u32::from(state.vcpu_count))
+        .map_err(|e| RestoreError::Refused(e.to_string()))?;
+    if state.vcpus.len() != usize::from(state.vcpu_count) {
+        return refuse(format!(
+            "{} vCPU states for {} vCPUs",
+            state.vcpus.len(),
+            state.vcpu_count
+        ));
+    }
+    if !state.mem_bytes.is_multiple_of(1 << 20) {
+        return refuse(format!(
+            "{} bytes of RAM, not a whole number of MiB",
+            state.mem_bytes
+        ));
+    }
+    crate::config::check_mem(state.mem_bytes >> 20, host_mib)
+        .map_err(|e| RestoreError::Refused(e.to_string().replace("--mem-mib", "RAM of")))?;
+    let layout: Vec<mayfly_snapshot::MemoryRange> =
+        crate::arch::layout::ram_ranges(state.mem_bytes)
+            .iter()
+            .map(|r| mayfly_snapshot::MemoryRange {
+                guest_addr: r.guest_addr,
+                size: r.size,
+                file_offset: r.file_offset,
+            })
+            .collect();
+    if state.memory != layout {
+        return refuse(format!(
+            "a memory layout mayfly does not make for {} MiB of RAM: {:?}",
+            state.mem_bytes >> 20,
+            state.memory
+        ));
+    }
+    if state.cmdline.len() >= crate::arch::layout::CMDLINE_MAX_SIZE {
+        return refuse(format!(
+            "a kernel command line of {} bytes",
+            state.cmdline.len()
+        ));
+    }
+    if state.working_set.len() > mayfly_snapshot::MAX_WORKING_SET {
+        return refuse(format!(
+            "a working set of {} pages",
+            state.working_set.len()
+        ));
+    }
+    for (index, vcpu) in state.vcpus.iter().enumerate() {
+        if vcpu.cpuid.len() > KVM_MAX_CPUID_ENTRIES {
+            return refuse(format!(
+                "vCPU {index} with {} CPUID entries",
+                vcpu.cpuid.len()
+            ));
+        }
+        if vcpu.msrs.len() > kvm_state::MAX_SAVED_MSRS {
+            return refuse(format!("vCPU {index} with {} MSRs", vcpu.msrs.len()));
+        }
+    }
+    if state.devices.serial.in_buffer.len() > MAX_SERIAL_INPUT {
+        return refuse(format!(
+            "{} bytes of queued console input",
+            state.devices.serial.in_buffer.len()
+        ));
+    }
+    identity::check(&state.identity)
+        .map_err(|e| RestoreError::Refused(format!("its identity: {e}")))?;
+    Ok(())
+}
+
+/// Console input a UART holds at most (its FIFO, with room to spare).
+const MAX_SERIAL_INPUT: usize = 1024;
+
+/// Restore the snapshot `config.source`; returns once every vCPU runs (or waits, paused).
+pub fn restore(config: RestoreConfig) -> Result<Controller, RestoreError> {
     let started = std::time::Instant::now();
-    let snapshot = load(&config.files)?;
+    // The socket paths, claimed before anything else: of two VMMs started on one path, the
+    // second stops here.
+    let api_claim = config
+        .api_sock
+        .as_deref()
+        .map(SocketClaim::new)
+        .transpose()?;
+    let vsock_claim = config
+        .devices
+        .vsock_path
+        .as_deref()
+        .map(SocketClaim::new)
+        .transpose()?;
+    let snapshot = load(config.source)?;
     trace::event("state_loaded");
     let state = &snapshot.state;
 
@@ -246,6 +341,9 @@ pub fn restore(config: &RestoreConfig) -> Result<Vm, RestoreError> {
         MemoryMode::Lazy { .. } => GuestRam::lazy(snapshot.memory, &ranges)?,
         MemoryMode::Eager => GuestRam::eager(&snapshot.memory, &ranges)?,
     };
+    // A memory file that changes under a copy-on-write VM changes the guest's memory: lease
+    // or seal it, so that the VM stops first (see GuestRam::protect_backing).
+    let memory_protection = ram.protect_backing();
     let (event_sender, events) = channel();
     // Serve lazy memory before anything touches it: restoring vCPUs makes KVM write into
     // guest RAM (kvmclock pages), and a page written before the handler runs would never be
@@ -288,7 +386,17 @@ pub fn restore(config: &RestoreConfig) -> Result<Vm, RestoreError> {
     trace::event("vm_created");
     kvm_state::restore_vm(&vm_fd, &state.vm, &caps)?;
 
-    let devices = create_devices(&vm_fd, console_out, Some(&state.serial), &event_sender)?;
+    let devices = DeviceManager::restore(
+        &Wiring {
+            vm: &vm_fd,
+            mem: &ram.memory,
+            events: &event_sender,
+        },
+        console_out,
+        state.probe,
+        &state.devices,
+        &config.devices,
+    )?;
     let mut vcpu_fds = Vec::with_capacity(state.vcpus.len());
     for (index, vcpu_state) in state.vcpus.iter().enumerate() {
         let fd = vm_fd
@@ -302,61 +410,91 @@ pub fn restore(config: &RestoreConfig) -> Result<Vm, RestoreError> {
         vcpu_fds.push(fd);
     }
     trace::event("vcpus_restored");
+    // Only now may devices interrupt the guest: before, the vCPU restore would erase it.
+    devices.raise_pending_interrupts()?;
 
     // Who this VM is now: a restore is a new instance of the snapshot's VM (a clone is one
     // with a new name), with a new generation ID so its RNG does not repeat another's.
-    let mut identity = Identity::read(&ram.memory);
+    // The identity comes from the state file, never from guest memory (the guest can write
+    // that); the page the guest reads is rewritten from it.
+    let mut identity: Identity = state.identity.clone();
     if let Some(name) = &config.name {
         identity.name = name.clone();
-    } else if identity.name.is_empty() {
-        identity.name = format!("vm-{}", std::process::id());
     }
-    if let Some((parent, index)) = &config.clone_of {
-        identity.parent = Some(parent.clone());
-        identity.index = Some(*index);
-    }
+    let next_clone = match &config.clone_of {
+        Some((parent, index)) => {
+            identity.parent = Some(parent.clone());
+            identity.index = Some(*index);
+            // A clone's own clones are named after it, from 0.
+            0
+        }
+        None => state.next_clone,
+    };
     identity.generation += 1;
-    identity.write(&ram.memory)?;
+    identity::write_page(&identity, &ram.memory)?;
     identity::new_generation_id(&ram.memory)?;
 
-    let mut vm = Vm {
-        kvm,
-        fd: vm_fd,
-        ram,
-        vcpus: Vec::new(),
+    let machine = Machine {
+        vm: Vm::new(
+            kvm,
+            vm_fd,
+            caps,
+            state.vcpus.iter().map(|v| v.cpuid.clone()).collect(),
+        ),
+        lazy,
         devices,
-        events,
-        event_sender,
-        caps,
-        cpuids: state.vcpus.iter().map(|v| v.cpuid.clone()).collect(),
+        ram,
         info: VmInfo {
             identity,
-            next_clone: 0,
+            next_clone,
             vcpu_count: state.vcpu_count,
             cmdline: state.cmdline.clone(),
             origin: config.origin.clone(),
             started,
+            probe: state.probe,
+            memory_protection,
         },
-        paused: config.paused,
-        lazy,
-        api: None,
     };
-    if let Some(path) = &config.api_sock {
-        vm.start_api(path)?;
+    let mut controller = Controller::new(machine, events, event_sender.clone());
+    controller.vsock_claim = vsock_claim;
+    if let Some(claim) = api_claim {
+        controller.start_api(claim)?;
     }
-    vm.start_vcpus(vcpu_fds, None, config.paused)
+    let m = &mut controller.machine;
+    let context = VcpuContext {
+        pio: m.devices.pio.clone(),
+        mmio: m.devices.mmio.clone(),
+        events: event_sender,
+        trace: None,
+    };
+    m.vm.start_vcpus(vcpu_fds, context, config.paused)
         .map_err(RestoreError::Thread)?;
+    // The restored devices' threads wait at their gates: a paused restore keeps them (and the
+    // console) paused until it is resumed.
+    if config.paused {
+        m.devices.pause()?;
+    } else {
+        m.devices.resume();
+    }
     // The guest learns of its new generation ID through the Generic Event Device.
-    vm.devices.ged.write(1).map_err(RestoreError::Interrupt)?;
-    mayfly_devices::bus::lock(&vm.devices.serial)
+    m.devices.ged.write(1).map_err(RestoreError::Interrupt)?;
+    mayfly_devices::bus::lock(&m.devices.serial)
         .raise_pending_interrupt()
         .map_err(RestoreError::Interrupt)?;
     trace::event("vcpus_started");
     console::connect_input(
-        &vm.devices.serial,
+        &m.devices.serial,
+        &m.devices.console_gate,
         &config.console,
         config.console_input.as_deref(),
     )
     .map_err(RestoreError::Thread)?;
-    Ok(vm)
+    // The guest's clock, entropy and name are stale: its agent refreshes them (a clone's
+    // hooks learn it is one) before exec and file requests are let through.
+    let event = match config.clone_of {
+        Some(_) => mayfly_agent_protocol::RefreshEvent::Fork,
+        None => mayfly_agent_protocol::RefreshEvent::Restore,
+    };
+    controller.refresh_guest(event, crate::agent::DEFAULT_WAIT);
+    Ok(controller)
 }

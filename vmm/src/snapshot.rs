@@ -7,17 +7,20 @@
 //!    guest RAM (see [`GuestRam::backing`]), so pages the guest never touched cost nothing.
 //! 3. Write both files into a temporary directory, fsync them, and rename it into place
 //!    (exchanging it with an older snapshot of the same name, which is then deleted): an
-//!    interrupted snapshot never damages an older one.
+//!    interrupted snapshot never damages an older one. The temporary directory is locked
+//!    (flock) while it is written, so the next snapshot into the same parent directory can tell
+//!    the leftovers of a VMM that died (kill -9) from a snapshot in progress, and removes them.
 
 use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use mayfly_snapshot::{Header, MemoryRange, VmState, MEMORY_FILE, STATE_FILE};
 
 use crate::arch::kvm_state::{self, StateError};
+use crate::machine::Machine;
 use crate::memory::RamKind;
-use crate::vm::Vm;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotCreateError {
@@ -31,6 +34,12 @@ pub enum SnapshotCreateError {
     NotASnapshotDir { path: PathBuf },
     #[error("the snapshot path {0} has no parent directory")]
     NoParent(PathBuf),
+    #[error("cannot write a snapshot to {path}: its parent directory {parent} {problem}")]
+    BadParent {
+        path: PathBuf,
+        parent: PathBuf,
+        problem: &'static str,
+    },
     #[error("cannot write the snapshot to {path}: {source}")]
     Io {
         path: PathBuf,
@@ -38,6 +47,35 @@ pub enum SnapshotCreateError {
     },
     #[error(transparent)]
     Format(#[from] mayfly_snapshot::SnapshotError),
+}
+
+impl SnapshotCreateError {
+    /// The HTTP status that says whose mistake it is: 4xx for a request that cannot work (the
+    /// path), 5xx for the VMM's own failures.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            SnapshotCreateError::NotPaused => 409,
+            SnapshotCreateError::NotASnapshotDir { .. } => 409,
+            SnapshotCreateError::NoParent(_) | SnapshotCreateError::BadParent { .. } => 400,
+            SnapshotCreateError::Io { source, .. }
+                if matches!(
+                    source.raw_os_error(),
+                    Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS)
+                ) =>
+            {
+                403
+            }
+            SnapshotCreateError::Io { source, .. }
+                if matches!(
+                    source.raw_os_error(),
+                    Some(libc::ENOSPC) | Some(libc::EDQUOT)
+                ) =>
+            {
+                507
+            }
+            _ => 500,
+        }
+    }
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> SnapshotCreateError + '_ {
@@ -61,26 +99,53 @@ pub struct SnapshotReport {
 }
 
 /// Snapshot the (paused) VM into `dest`.
-pub fn create(vm: &Vm, dest: &Path) -> Result<SnapshotReport, SnapshotCreateError> {
+pub fn create(vm: &Machine, dest: &Path) -> Result<SnapshotReport, SnapshotCreateError> {
     let start = Instant::now();
-    if !vm.paused {
+    if !vm.paused() {
         return Err(SnapshotCreateError::NotPaused);
     }
     let dest = absolute(dest)?;
-    check_replaceable(&dest)?;
     let parent = dest
         .parent()
         .ok_or_else(|| SnapshotCreateError::NoParent(dest.clone()))?;
     let name = dest
         .file_name()
         .ok_or_else(|| SnapshotCreateError::NoParent(dest.clone()))?;
+    match std::fs::metadata(parent) {
+        Ok(meta) if meta.is_dir() => {}
+        Ok(_) => {
+            return Err(SnapshotCreateError::BadParent {
+                path: dest.clone(),
+                parent: parent.to_path_buf(),
+                problem: "is not a directory",
+            })
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(SnapshotCreateError::BadParent {
+                path: dest.clone(),
+                parent: parent.to_path_buf(),
+                problem: "does not exist: create it first",
+            })
+        }
+        Err(e) => return Err(io_err(parent)(e)),
+    }
+    check_replaceable(&dest)?;
+    remove_dead_leftovers(parent);
     let tmp = parent.join(format!(
-        ".{}.tmp-{}-{}",
+        ".{}{TMP_MARK}{}-{}",
         name.to_string_lossy(),
         std::process::id(),
         kvm_state::realtime_ns()
     ));
     std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
+    // Held until the snapshot is in place (or removed): a live writer's lock.
+    let lock = File::open(&tmp).map_err(io_err(&tmp))?;
+    // SAFETY: flock on a descriptor we own; the result is checked.
+    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let err = std::io::Error::last_os_error();
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(io_err(&tmp)(err));
+    }
     let result = write_snapshot(vm, &tmp, start).and_then(|report| {
         install(&tmp, &dest)?;
         Ok(SnapshotReport {
@@ -92,7 +157,52 @@ pub fn create(vm: &Vm, dest: &Path) -> Result<SnapshotReport, SnapshotCreateErro
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
+    drop(lock);
     result
+}
+
+/// What marks a temporary snapshot directory: `.<name>.tmp-<pid>-<ns>`.
+const TMP_MARK: &str = ".tmp-";
+
+/// Remove the temporary directories that VMMs which died while snapshotting left in `parent`
+/// (a kill -9 leaves up to a whole memory file behind). A directory qualifies only if it is
+/// named like one, holds nothing but a state and a memory file, and nobody holds its lock: a
+/// snapshot in progress keeps it locked. Best effort: what cannot be removed stays.
+fn remove_dead_leftovers(parent: &Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if !name.starts_with('.') || !name.contains(TMP_MARK) {
+            continue;
+        }
+        let path = entry.path();
+        // Not following symlinks: only a real directory of ours qualifies.
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if !meta.is_dir() {
+            continue;
+        }
+        let only_snapshot_files = std::fs::read_dir(&path).is_ok_and(|inner| {
+            inner.flatten().all(|e| {
+                (e.file_name() == STATE_FILE || e.file_name() == MEMORY_FILE)
+                    && e.file_type().is_ok_and(|t| t.is_file())
+            })
+        });
+        if !only_snapshot_files {
+            continue;
+        }
+        let Ok(dir) = File::open(&path) else {
+            continue;
+        };
+        // SAFETY: flock on a descriptor we own; the result is checked.
+        if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            let _ = std::fs::remove_dir_all(&path);
+        }
+    }
 }
 
 fn absolute(path: &Path) -> Result<PathBuf, SnapshotCreateError> {
@@ -123,10 +233,14 @@ fn check_replaceable(dest: &Path) -> Result<(), SnapshotCreateError> {
 
 /// The paused VM's state: every vCPU (read on its own thread), the VM, the devices. The
 /// working set is left empty; the memory writer knows it.
-pub fn capture_state(vm: &Vm) -> Result<VmState, SnapshotCreateError> {
-    let mut vcpus = Vec::with_capacity(vm.vcpus.len());
-    for (vcpu, cpuid) in vm.vcpus.iter().zip(&vm.cpuids) {
-        let caps = vm.caps.clone();
+pub fn capture_state(vm: &Machine) -> Result<VmState, SnapshotCreateError> {
+    let snapshot_id = random_id().map_err(|e| SnapshotCreateError::Io {
+        path: PathBuf::from("the host's random number generator"),
+        source: e,
+    })?;
+    let mut vcpus = Vec::with_capacity(vm.vm.vcpus.len());
+    for (vcpu, cpuid) in vm.vm.vcpus.iter().zip(&vm.vm.cpuids) {
+        let caps = vm.vm.caps.clone();
         let cpuid = cpuid.clone();
         let state = vcpu
             .run_job(move |fd| kvm_state::save_vcpu(fd, &caps, cpuid))
@@ -134,6 +248,7 @@ pub fn capture_state(vm: &Vm) -> Result<VmState, SnapshotCreateError> {
         vcpus.push(state);
     }
     Ok(VmState {
+        snapshot_id,
         vcpu_count: vm.info.vcpu_count,
         mem_bytes: vm.ram.size(),
         cmdline: vm.info.cmdline.clone(),
@@ -148,24 +263,34 @@ pub fn capture_state(vm: &Vm) -> Result<VmState, SnapshotCreateError> {
             })
             .collect(),
         vcpus,
-        vm: kvm_state::save_vm(&vm.fd)?,
-        serial: mayfly_devices::bus::lock(&vm.devices.serial).state(),
+        vm: kvm_state::save_vm(&vm.vm.fd)?,
+        devices: vm.devices.save(),
+        identity: vm.info.identity.clone(),
+        next_clone: vm.info.next_clone,
+        probe: vm.info.probe,
         working_set: Vec::new(),
     })
 }
 
+/// 16 random bytes from the host: a snapshot ID.
+pub fn random_id() -> std::io::Result<[u8; 16]> {
+    let mut id = [0u8; 16];
+    crate::identity::host_random(&mut id)?;
+    Ok(id)
+}
+
 /// The state file's header for a snapshot taken on this host now.
-pub fn header(vm: &Vm) -> Header {
+pub fn header(vm: &Machine) -> Header {
     Header {
         arch: std::env::consts::ARCH.to_string(),
-        fingerprint: kvm_state::host_fingerprint(&vm.caps),
+        fingerprint: kvm_state::host_fingerprint(&vm.vm.caps),
         created_unix_ms: kvm_state::realtime_ns() / 1_000_000,
         writer: format!("mayfly {}", env!("CARGO_PKG_VERSION")),
     }
 }
 
 fn write_snapshot(
-    vm: &Vm,
+    vm: &Machine,
     dir: &Path,
     start: Instant,
 ) -> Result<SnapshotReport, SnapshotCreateError> {
@@ -177,7 +302,10 @@ fn write_snapshot(
     let written = vm
         .ram
         .write_sparse(&memory_file)
-        .and_then(|w| memory_file.sync_all().map(|()| w))
+        .and_then(|w| {
+            mayfly_snapshot::write_trailer(&memory_file, vm.ram.size(), &state.snapshot_id)?;
+            memory_file.sync_all().map(|()| w)
+        })
         .map_err(io_err(&memory_path))?;
     let memory_ms = start.elapsed().as_secs_f64() * 1e3 - state_ms;
 
@@ -186,6 +314,7 @@ fn write_snapshot(
         (None, RamKind::CopyOnWrite) => written.touched,
         _ => Vec::new(),
     };
+    state.working_set.truncate(mayfly_snapshot::MAX_WORKING_SET);
     let state_path = dir.join(STATE_FILE);
     mayfly_snapshot::write_state_file(&state_path, &header(vm), &state)?;
     let state_bytes = std::fs::metadata(&state_path)

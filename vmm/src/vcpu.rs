@@ -8,6 +8,7 @@
 use std::cell::Cell;
 use std::collections::VecDeque;
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
@@ -21,8 +22,8 @@ use mayfly_devices::bus::{MmioBus, PioBus};
 use mayfly_devices::PowerRequest;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
+use crate::event::VmEvent;
 use crate::trace;
-use crate::vm::VmEvent;
 
 thread_local! {
     /// This thread's `kvm_run`, for the kick signal handler.
@@ -73,10 +74,62 @@ struct ControlState {
     jobs: VecDeque<VcpuJob>,
 }
 
+/// Where a vCPU thread is, updated around every `KVM_RUN` (a few relaxed atomic stores): when a
+/// guest stops answering, this tells a vCPU that KVM never returns to mayfly (the guest or KVM
+/// is stuck) from one that mayfly stopped running (mayfly is stuck).
+#[derive(Default)]
+pub struct VcpuActivity {
+    in_kvm_run: AtomicBool,
+    entries: AtomicU64,
+    /// The `exit_reason` of the last exit (KVM_EXIT_*), or u32::MAX for an error return.
+    last_exit: AtomicU32,
+    /// CLOCK_MONOTONIC ns of the last entry or exit.
+    since_ns: AtomicU64,
+}
+
+impl VcpuActivity {
+    fn enter(&self) {
+        self.entries.fetch_add(1, Ordering::Relaxed);
+        self.since_ns
+            .store(mayfly_devices::probe::monotonic_ns(), Ordering::Relaxed);
+        self.in_kvm_run.store(true, Ordering::Release);
+    }
+
+    fn exit(&self, reason: u32) {
+        self.in_kvm_run.store(false, Ordering::Release);
+        self.last_exit.store(reason, Ordering::Relaxed);
+        self.since_ns
+            .store(mayfly_devices::probe::monotonic_ns(), Ordering::Relaxed);
+    }
+
+    /// One line: in KVM_RUN or not, since when, how many entries, the last exit.
+    pub fn describe(&self) -> String {
+        let age_ms = mayfly_devices::probe::monotonic_ns()
+            .saturating_sub(self.since_ns.load(Ordering::Relaxed)) as f64
+            / 1e6;
+        let last = match self.last_exit.load(Ordering::Relaxed) {
+            u32::MAX => "an error or EINTR".to_string(),
+            reason => format!("exit reason {reason}"),
+        };
+        if self.in_kvm_run.load(Ordering::Acquire) {
+            format!(
+                "in KVM_RUN for {age_ms:.1} ms ({} entries; before that: {last})",
+                self.entries.load(Ordering::Relaxed)
+            )
+        } else {
+            format!(
+                "in mayfly (not in KVM_RUN) for {age_ms:.1} ms after {last} ({} entries)",
+                self.entries.load(Ordering::Relaxed)
+            )
+        }
+    }
+}
+
 /// Shared between a vCPU thread and whoever controls it.
 pub struct VcpuControl {
     state: Mutex<ControlState>,
     changed: Condvar,
+    activity: VcpuActivity,
 }
 
 impl VcpuControl {
@@ -90,6 +143,7 @@ impl VcpuControl {
                 jobs: VecDeque::new(),
             }),
             changed: Condvar::new(),
+            activity: VcpuActivity::default(),
         }
     }
 
@@ -132,6 +186,11 @@ impl VcpuHandle {
             control,
             thread: Some(thread),
         })
+    }
+
+    /// Where the vCPU thread is right now (see [`VcpuActivity`]).
+    pub fn activity(&self) -> &VcpuActivity {
+        &self.control.activity
     }
 
     fn kick(&self) {
@@ -302,7 +361,14 @@ fn vcpu_loop(index: u8, mut vcpu: VcpuFd, context: &VcpuContext, control: &VcpuC
             trace::event("first_kvm_run");
             first_run = false;
         }
-        match vcpu.run() {
+        control.activity.enter();
+        let result = vcpu.run();
+        control.activity.exit(match &result {
+            // SAFETY: reading a plain integer field of this thread's kvm_run mapping.
+            Ok(_) => unsafe { (*run_ptr).exit_reason },
+            Err(_) => u32::MAX,
+        });
+        match result {
             Ok(VcpuExit::IoOut(trace::TRACE_PORT, _)) if context.trace.is_some() => {
                 trace::event("first_instruction");
             }

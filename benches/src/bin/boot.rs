@@ -9,7 +9,7 @@
 //! and `start_kernel` (a hardware breakpoint, where KVM supports it).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -109,14 +109,30 @@ fn uptime_of(line: &str) -> Option<f64> {
         .and_then(|v| v.trim_end_matches('s').parse().ok())
 }
 
+/// microvm's own firmware, from Debian's qemu-system-data.
+const QBOOT: &str = "/usr/share/qemu/qboot.rom";
+
 /// QEMU's microvm machine booting the same kernel and initramfs: launch to readiness line.
 fn boot_qemu(mem_mib: u64) -> Option<(f64, Option<f64>)> {
     let kernel = guest_artifact("kernel/microvm.current/vmlinux");
     let initrd = guest_artifact("rootfs/guest.current/initramfs.cpio");
+    // qboot, microvm's minimal firmware, loads the kernel itself. QEMU 10's default microvm
+    // firmware is SeaBIOS, which needs the option ROMs this baseline turns off to boot a
+    // -kernel ("No bootable device").
+    let qboot = Path::new(QBOOT);
+    if !qboot.exists() {
+        eprintln!(
+            "boot bench: {QBOOT} is missing, so no QEMU baseline: install qemu-system-data \
+             (scripts/setup.sh does)"
+        );
+        return None;
+    }
     let launch = monotonic_ns();
     let mut command = Command::new("qemu-system-x86_64");
     command
         .args(["-M", "microvm,x-option-roms=off,rtc=off,isa-serial=on"])
+        .arg("-bios")
+        .arg(qboot)
         .args(["-enable-kvm", "-cpu", "host", "-smp", "1"])
         .args(["-m", &mem_mib.to_string()])
         .args([
@@ -231,7 +247,7 @@ fn main() {
         let uptimes: Vec<f64> = runs.iter().filter_map(|r| r.1).collect();
         let stats = Stats::of(&times).expect("at least one run");
         BaselineReport {
-            name: "qemu-system-x86_64 -M microvm (same kernel, initramfs, memory; acpi=off)",
+            name: "qemu-system-x86_64 -M microvm -bios qboot.rom (same kernel, initramfs, memory; acpi=off)",
             mayfly_to_baseline_ratio: launch_to_ready_ms.median / stats.median,
             launch_to_ready_ms: stats,
             guest_uptime_at_ready_s: Stats::of(&uptimes),

@@ -26,7 +26,7 @@ use mayfly_tests::guest::{Guest, TestDir};
 use mayfly_vmm::api;
 use serde::Serialize;
 
-const PROBE_ELF: &str = env!("MAYFLY_PROBE_ELF");
+const PROBE_ELF: &str = mayfly_tests::probe::ELF;
 const TIMEOUT: Duration = Duration::from_secs(300);
 
 #[derive(Parser)]
@@ -85,6 +85,7 @@ fn probe_reports(stderr: &str) -> Vec<(String, u64, u64)> {
 fn boot_probe(mem_mib: u64, touch: u64, sock: &Path) -> Guest {
     let guest = Guest::start(&[
         "run",
+        "--probe",
         "--kernel",
         PROBE_ELF,
         "--mem-mib",
@@ -97,7 +98,7 @@ fn boot_probe(mem_mib: u64, touch: u64, sock: &Path) -> Guest {
         &sock.to_string_lossy(),
     ]);
     assert!(
-        guest.wait_stderr("mayfly-probe: written", TIMEOUT),
+        guest.wait_stderr("mayfly-probe: waiting", TIMEOUT),
         "the probe did not boot: {}",
         guest.stderr()
     );
@@ -231,6 +232,7 @@ fn stats(samples: &[f64]) -> Stats {
     Stats::of(samples).unwrap_or(Stats {
         min: f64::NAN,
         median: f64::NAN,
+        p99: f64::NAN,
         max: f64::NAN,
         samples: 0,
     })

@@ -40,6 +40,9 @@ enum Cmd {
     Where,
     /// Build (or find cached) the L1 kernel and initramfs and print their paths.
     Artifacts,
+    /// Print the path of the QEMU the rig runs: $MAYFLY_RIG_QEMU, else the patched build of
+    /// tests/rig/qemu/build.sh (fails when it is not built).
+    Qemu,
 }
 
 #[derive(Args)]
@@ -110,6 +113,13 @@ fn main() -> ExitCode {
             Ok(a) => {
                 println!("kernel {}", a.kernel.display());
                 println!("initrd {}", a.initrd.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(&e),
+        },
+        Cmd::Qemu => match rig::qemu_binary() {
+            Ok(path) => {
+                println!("{}", path.display());
                 ExitCode::SUCCESS
             }
             Err(e) => fail(&e),

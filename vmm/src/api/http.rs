@@ -256,7 +256,12 @@ pub struct Request {
     pub method: String,
     /// The target's path: no query or fragment, no trailing slash (but "/" stays).
     pub path: String,
+    /// The target's query, without the `?` (still percent-encoded).
+    pub query: String,
     pub body: Vec<u8>,
+    /// For a request whose body is streamed rather than read here (see [`read_request`]):
+    /// its length, of which `body` holds what arrived with the head.
+    pub streamed_body_len: Option<u64>,
 }
 
 /// Why the server will not route a request.
@@ -288,11 +293,14 @@ fn timed_out(idle: Duration, total: Duration) -> Refusal {
 }
 
 /// Read one request from `stream`. Nothing may pause for longer than `idle`, and the whole
-/// request must have arrived within `total`.
+/// request must have arrived within `total`. The body of requests that `streamed(method,
+/// path)` picks is left unread past what arrived with the head: its reader streams it (a file
+/// upload), of any size; `streamed_body_len` says how long it is.
 pub fn read_request(
     stream: &UnixStream,
     idle: Duration,
     total: Duration,
+    streamed: impl Fn(&str, &str) -> bool,
 ) -> Result<Request, Refusal> {
     let mut reader = Reader::new(stream, idle, deadline(total));
     let head = match reader.read_head(MAX_HEAD) {
@@ -371,6 +379,21 @@ pub fn read_request(
         ));
     }
     let len = content_length.unwrap_or(0);
+    let path = normalize_path(target);
+    if streamed(method, &path) {
+        if expect_continue && minor == 1 {
+            let _ = (&mut &*stream).write_all(b"HTTP/1.1 100 Continue\r\n\r\n");
+        }
+        let mut prefix = std::mem::take(&mut reader.buf);
+        prefix.truncate(usize::try_from(len).unwrap_or(usize::MAX));
+        return Ok(Request {
+            method: method.to_owned(),
+            path,
+            query: query_of(target),
+            body: prefix,
+            streamed_body_len: Some(len),
+        });
+    }
     if len > MAX_BODY as u64 {
         return Err(refuse(
             413,
@@ -402,9 +425,55 @@ pub fn read_request(
     };
     Ok(Request {
         method: method.to_owned(),
-        path: normalize_path(target),
+        path,
+        query: query_of(target),
         body,
+        streamed_body_len: None,
     })
+}
+
+/// The query of a request target (after `?`, before `#`).
+fn query_of(target: &str) -> String {
+    match target.split_once('?') {
+        Some((_, rest)) => rest.split('#').next().unwrap_or("").to_owned(),
+        None => String::new(),
+    }
+}
+
+/// The value of `key` in a query string, percent-decoded (`+` is a space); None if absent or
+/// not valid UTF-8 once decoded.
+pub fn query_param(query: &str, key: &str) -> Option<String> {
+    query.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (percent_decode(k)? == key)
+            .then(|| percent_decode(v))
+            .flatten()
+    })
+}
+
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' => {
+                let hex = bytes.get(i + 1..i + 3)?;
+                let hex = std::str::from_utf8(hex).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 /// Split `METHOD TARGET HTTP/1.x` into its parts; the minor version is 0 or 1.
@@ -657,7 +726,12 @@ mod tests {
         let (mut client, server) = UnixStream::pair().unwrap();
         client.write_all(bytes).unwrap();
         client.shutdown(std::net::Shutdown::Write).unwrap();
-        read_request(&server, Duration::from_secs(2), Duration::from_secs(2))
+        read_request(
+            &server,
+            Duration::from_secs(2),
+            Duration::from_secs(2),
+            |_, _| false,
+        )
     }
 
     fn status(result: Result<Request, Refusal>) -> u16 {
@@ -678,9 +752,21 @@ mod tests {
             Request {
                 method: "PUT".into(),
                 path: "/vm/fork".into(),
-                body: b"abcd".to_vec()
+                query: "x=1".into(),
+                body: b"abcd".to_vec(),
+                streamed_body_len: None,
             }
         );
+        assert_eq!(
+            query_param("path=%2Ftmp%2Fa+b&mode=0644", "path").as_deref(),
+            Some("/tmp/a b")
+        );
+        assert_eq!(
+            query_param("path=%2Ftmp&mode=0644", "mode").as_deref(),
+            Some("0644")
+        );
+        assert_eq!(query_param("path=%zz", "path"), None);
+        assert_eq!(query_param("", "path"), None);
         let req = parse(b"\r\nGET http://localhost/vm HTTP/1.0\n\n").unwrap();
         assert_eq!(req.path, "/vm");
         assert!(req.body.is_empty());
@@ -749,7 +835,12 @@ mod tests {
     fn idle_peer_times_out() {
         let (_client, server) = UnixStream::pair().unwrap();
         let started = Instant::now();
-        let result = read_request(&server, Duration::from_millis(50), Duration::from_secs(5));
+        let result = read_request(
+            &server,
+            Duration::from_millis(50),
+            Duration::from_secs(5),
+            |_, _| false,
+        );
         assert_eq!(status(result), 408);
         assert!(started.elapsed() < Duration::from_secs(2));
     }

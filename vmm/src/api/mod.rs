@@ -10,6 +10,11 @@
 //! | `PUT /vm/fork`      | `{"count": N, "name_prefix": "s", "parent": "paused"}`| [`Action::Fork`]      |
 //! | `PUT /vm/shutdown`  | none                                                  | [`Action::Shutdown`]  |
 //!
+//! The routes into the guest (exec and files, through the guest agent) are in [`guest`]:
+//! `POST /vm/exec`, `PUT|GET|DELETE /vm/files`, `GET /vm/files/stat`, `GET /vm/files/list`,
+//! `PUT /vm/files/dir`, `GET /vm/agent`. They are served on the connection's thread and may
+//! stream (a chunked response; `PUT /vm/files` streams its body of any size).
+//!
 //! The server only parses and validates; the VM's controller decides. It receives one
 //! [`ApiCall`] per valid request through its own event channel and answers with a [`Reply`].
 //! Everything the server refuses gets a JSON body `{"error": "..."}` that says what to send
@@ -20,11 +25,13 @@
 //! it answered with something that is not an HTTP status. Otherwise the VM's status and body
 //! go back as they are.
 //!
-//! One connection is served at a time and every response closes its connection (`Connection:
-//! close`); stalled clients are dropped after a timeout, so none can block the others for long,
-//! and nothing a client sends can stop the server or the VM.
+//! Each connection is served on a thread of its own (at most [`MAX_CONNECTIONS`] at once) and
+//! every response closes its connection (`Connection: close`); stalled clients are dropped
+//! after a timeout, so none can block the others, and nothing a client sends can stop the
+//! server or the VM.
 
 mod client;
+pub mod guest;
 mod http;
 mod server;
 mod socket;
@@ -33,7 +40,7 @@ use std::path::PathBuf;
 use std::sync::mpsc::Sender;
 
 pub use client::{request, request_with_timeout};
-pub use server::{ApiServer, Timeouts};
+pub use server::{ApiServer, SocketClaim, Timeouts, MAX_CONNECTIONS};
 pub use socket::MAX_SOCKET_PATH;
 
 /// What a client asks of the VM. The server parses and validates requests into these.
@@ -57,6 +64,16 @@ pub enum Action {
     },
     /// PUT /vm/shutdown
     Shutdown,
+}
+
+/// What the server serves itself, off the controller's thread: requests that stream (exec,
+/// files) go straight to the guest's agent over the VM's vsock socket.
+#[derive(Clone, Debug, Default)]
+pub struct Services {
+    /// The VM's vsock socket (host side), if it has one.
+    pub vsock: Option<PathBuf>,
+    /// The VMM's refresh of the guest after a restore or fork: guest routes wait for it.
+    pub refresh: std::sync::Arc<crate::agent::RefreshStatus>,
 }
 
 /// The largest `count` the server passes on in a fork request.

@@ -1,5 +1,8 @@
-//! The server side: bind the socket, serve connections one at a time on a thread of its own,
-//! turn each valid request into an [`ApiCall`] for the VM's controller and write back its reply.
+//! The server side: bind the socket (taking it over from a dead VMM atomically, under a lock
+//! file beside it), accept connections on a thread of its own and serve each on a thread of
+//! its own (at most [`MAX_CONNECTIONS`] at once), turn each valid request into an [`ApiCall`]
+//! for the VM's controller and write back its reply. Slow clients only hold their own thread:
+//! a well-formed request is answered while a hundred others are still being sent.
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -14,9 +17,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value};
 
+use super::guest;
 use super::http::{self, Refusal, Request};
 use super::socket::{self, MAX_SOCKET_PATH};
-use super::{Action, ApiCall, ApiError, Reply, MAX_FORK_COUNT};
+use super::{Action, ApiCall, ApiError, Reply, Services, MAX_FORK_COUNT};
 
 /// How long the server waits for the parts of a request and for the VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,14 +45,20 @@ impl Default for Timeouts {
 
 /// How long binding waits to learn whether an existing socket is alive.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Connections served at once; past this a new one gets 503 at once.
+pub const MAX_CONNECTIONS: usize = 64;
 /// How often a server waiting for the VM checks whether it is being stopped.
 const STOP_CHECK: Duration = Duration::from_millis(50);
 
-/// State the server thread shares with its [`ApiServer`].
+/// State the server threads share with their [`ApiServer`].
 struct Shared {
     stopping: AtomicBool,
-    /// The connection being served, so that stopping can cut it short.
-    current: Mutex<Option<UnixStream>>,
+    /// The connections being served (by an id), so that stopping can cut them short.
+    current: Mutex<std::collections::HashMap<u64, UnixStream>>,
+    /// Connection threads running; the last one out notifies `idle`.
+    active: Mutex<usize>,
+    idle: std::sync::Condvar,
+    services: Services,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -60,6 +70,8 @@ pub struct ApiServer {
     path: PathBuf,
     /// Device and inode of the socket file this server created: it never removes another's.
     file_id: Option<(u64, u64)>,
+    /// The claim on the path (its lock file), held for as long as the server lives.
+    claim: Option<SocketClaim>,
     shared: Arc<Shared>,
     /// Closing this wakes the server thread, which then exits.
     wake: Option<UnixStream>,
@@ -81,8 +93,9 @@ impl ApiServer {
         path: &Path,
         events: Sender<E>,
         wrap: fn(ApiCall) -> E,
+        services: Services,
     ) -> Result<ApiServer, ApiError> {
-        Self::start_with(path, events, wrap, Timeouts::default())
+        Self::start_with(path, events, wrap, Timeouts::default(), services)
     }
 
     /// [`ApiServer::start`] with other timeouts.
@@ -91,7 +104,21 @@ impl ApiServer {
         events: Sender<E>,
         wrap: fn(ApiCall) -> E,
         timeouts: Timeouts,
+        services: Services,
     ) -> Result<ApiServer, ApiError> {
+        Self::start_claimed(SocketClaim::new(path)?, events, wrap, timeouts, services)
+    }
+
+    /// Serve on a path claimed earlier (so that nothing else can take it meanwhile).
+    pub fn start_claimed<E: Send + 'static>(
+        claim: SocketClaim,
+        events: Sender<E>,
+        wrap: fn(ApiCall) -> E,
+        timeouts: Timeouts,
+        services: Services,
+    ) -> Result<ApiServer, ApiError> {
+        let path = claim.path().to_path_buf();
+        let path = path.as_path();
         // Sockets refuse a zero timeout; a millisecond is the shortest that means anything.
         let floor = Duration::from_millis(1);
         let timeouts = Timeouts {
@@ -99,15 +126,19 @@ impl ApiServer {
             request: timeouts.request.max(floor),
             reply: timeouts.reply.max(floor),
         };
-        let listener = bind(path)?;
+        let listener = claim.bind()?;
         let shared = Arc::new(Shared {
             stopping: AtomicBool::new(false),
-            current: Mutex::new(None),
+            current: Mutex::new(std::collections::HashMap::new()),
+            active: Mutex::new(0),
+            idle: std::sync::Condvar::new(),
+            services,
         });
         // From here on, dropping `server` removes the socket file, also on the errors below.
         let mut server = ApiServer {
             path: path.to_owned(),
             file_id: std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino())),
+            claim: Some(claim),
             shared: Arc::clone(&shared),
             wake: None,
             thread: None,
@@ -135,10 +166,10 @@ impl ApiServer {
 
     fn stop(&mut self) {
         {
-            let mut current = lock(&self.shared.current);
+            let current = lock(&self.shared.current);
             self.shared.stopping.store(true, Ordering::SeqCst);
-            // Wakes a read from a slow client; the answer (503) can still be written.
-            if let Some(conn) = current.take() {
+            // Wakes reads from slow clients; the answers (503) can still be written.
+            for conn in current.values() {
                 let _ = conn.shutdown(std::net::Shutdown::Read);
             }
         }
@@ -146,12 +177,31 @@ impl ApiServer {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+        // Connection threads answer 503 within STOP_CHECK once they see `stopping`.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut active = lock(&self.shared.active);
+        while *active > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            active = self
+                .shared
+                .idle
+                .wait_timeout(active, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        drop(active);
         if let Some(id) = self.file_id.take() {
             let ours = std::fs::symlink_metadata(&self.path)
                 .is_ok_and(|m| m.file_type().is_socket() && (m.dev(), m.ino()) == id);
             if ours {
                 let _ = std::fs::remove_file(&self.path);
             }
+        }
+        if let Some(claim) = self.claim.take() {
+            claim.release();
         }
     }
 }
@@ -162,83 +212,193 @@ impl Drop for ApiServer {
     }
 }
 
-/// Create the socket at `path`, replacing a stale socket file but never a live one.
-fn bind(path: &Path) -> Result<UnixListener, ApiError> {
-    use std::io::ErrorKind;
-    use std::os::unix::ffi::OsStrExt;
+/// A socket path this process owns: validated, locked (the lock file `<path>.lock`) and cleared
+/// of a stale socket a dead process left, but not bound yet. Of two VMMs started at once on one
+/// path, one gets the claim, the other the "in use" error. Dropping the claim (or
+/// [`SocketClaim::release`]) removes the lock file.
+pub struct SocketClaim {
+    path: PathBuf,
+    lock: Option<socket::PathLock>,
+}
 
-    let shown = path.display().to_string();
-    let bytes = path.as_os_str().as_bytes();
-    if bytes.is_empty() || bytes.contains(&0) {
-        return Err(ApiError::InvalidPath(shown));
+impl std::fmt::Debug for SocketClaim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SocketClaim")
+            .field("path", &self.path)
+            .finish()
     }
-    if bytes.len() > MAX_SOCKET_PATH {
-        return Err(ApiError::PathTooLong {
-            path: shown,
-            len: bytes.len(),
-        });
-    }
-    let dir = match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir,
-        _ => Path::new("."),
-    };
-    let dir_error = |problem| ApiError::Directory {
-        path: shown.clone(),
-        dir: dir.display().to_string(),
-        problem,
-    };
-    let bind_error = |source| ApiError::Bind {
-        path: shown.clone(),
-        source,
-    };
-    match std::fs::metadata(dir) {
-        Ok(meta) if meta.is_dir() => {}
-        Ok(_) => return Err(dir_error("is not a directory")),
-        Err(e) if e.kind() == ErrorKind::NotFound => return Err(dir_error("does not exist")),
-        Err(e) => return Err(bind_error(e)),
-    }
-    match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_socket() => match socket::connect(path, PROBE_TIMEOUT) {
-            // Alive (a full backlog is alive too).
-            Ok(_) => return Err(ApiError::InUse { path: shown }),
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                return Err(ApiError::InUse { path: shown })
-            }
-            // Left behind by a process that is gone.
-            Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
-                match std::fs::remove_file(path) {
-                    Ok(()) => {}
+}
+
+impl SocketClaim {
+    pub fn new(path: &Path) -> Result<Self, ApiError> {
+        use std::io::ErrorKind;
+        use std::os::unix::ffi::OsStrExt;
+
+        let shown = path.display().to_string();
+        let bytes = path.as_os_str().as_bytes();
+        if bytes.is_empty() || bytes.contains(&0) {
+            return Err(ApiError::InvalidPath(shown));
+        }
+        if bytes.len() > MAX_SOCKET_PATH {
+            return Err(ApiError::PathTooLong {
+                path: shown,
+                len: bytes.len(),
+            });
+        }
+        let dir = match path.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir,
+            _ => Path::new("."),
+        };
+        let dir_error = |problem| ApiError::Directory {
+            path: shown.clone(),
+            dir: dir.display().to_string(),
+            problem,
+        };
+        let bind_error = |source| ApiError::Bind {
+            path: shown.clone(),
+            source,
+        };
+        match std::fs::metadata(dir) {
+            Ok(meta) if meta.is_dir() => {}
+            Ok(_) => return Err(dir_error("is not a directory")),
+            Err(e) if e.kind() == ErrorKind::NotFound => return Err(dir_error("does not exist")),
+            Err(e) => return Err(bind_error(e)),
+        }
+        let lock = socket::PathLock::acquire(path).map_err(|e| match e.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => ApiError::InUse {
+                path: shown.clone(),
+            },
+            _ => bind_error(e),
+        })?;
+        match std::fs::symlink_metadata(path) {
+            Ok(meta) if meta.file_type().is_socket() => {
+                match socket::connect(path, PROBE_TIMEOUT) {
+                    // Alive (a full backlog is alive too): a program that does not use the lock.
+                    Ok(_) => return Err(ApiError::InUse { path: shown }),
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                        return Err(ApiError::InUse { path: shown })
+                    }
+                    // Left behind by a process that is gone.
+                    Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
+                        match std::fs::remove_file(path) {
+                            Ok(()) => {}
+                            Err(e) if e.kind() == ErrorKind::NotFound => {}
+                            Err(e) => return Err(bind_error(e)),
+                        }
+                    }
                     Err(e) if e.kind() == ErrorKind::NotFound => {}
                     Err(e) => return Err(bind_error(e)),
                 }
             }
+            Ok(_) => return Err(ApiError::NotASocket { path: shown }),
             Err(e) if e.kind() == ErrorKind::NotFound => {}
             Err(e) => return Err(bind_error(e)),
-        },
-        Ok(_) => return Err(ApiError::NotASocket { path: shown }),
-        Err(e) if e.kind() == ErrorKind::NotFound => {}
-        Err(e) => return Err(bind_error(e)),
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            lock: Some(lock),
+        })
     }
-    let listener = socket::bind_private(path).map_err(|e| match e.raw_os_error() {
-        Some(libc::EADDRINUSE) => ApiError::InUse {
-            path: shown.clone(),
-        },
-        Some(libc::ENOENT) => dir_error("does not exist"),
-        _ => bind_error(e),
-    })?;
-    // Already 0600 on Linux; this covers a kernel where the socket's mode does not carry over.
-    if let Err(e) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
-        let _ = std::fs::remove_file(path);
-        return Err(bind_error(e));
+
+    pub fn path(&self) -> &Path {
+        &self.path
     }
-    Ok(listener)
+
+    /// Listen on the claimed path (mode 0600 from the first instant).
+    fn bind(&self) -> Result<UnixListener, ApiError> {
+        let shown = self.path.display().to_string();
+        let listener = socket::bind_private(&self.path).map_err(|e| match e.raw_os_error() {
+            Some(libc::EADDRINUSE) => ApiError::InUse {
+                path: shown.clone(),
+            },
+            _ => ApiError::Bind {
+                path: shown.clone(),
+                source: e,
+            },
+        })?;
+        // Already 0600 on Linux; this covers a kernel where the socket's mode does not carry
+        // over.
+        if let Err(e) = std::fs::set_permissions(&self.path, std::fs::Permissions::from_mode(0o600))
+        {
+            let _ = std::fs::remove_file(&self.path);
+            return Err(ApiError::Bind {
+                path: shown,
+                source: e,
+            });
+        }
+        Ok(listener)
+    }
+
+    /// Give up the path: removes the lock file.
+    pub fn release(mut self) {
+        if let Some(lock) = self.lock.take() {
+            lock.release();
+        }
+    }
 }
 
-/// The server thread: accept and serve connections until the [`ApiServer`] stops it.
-fn serve<E>(
+impl Drop for SocketClaim {
+    fn drop(&mut self) {
+        if let Some(lock) = self.lock.take() {
+            lock.release();
+        }
+    }
+}
+
+/// Serve `stream` on a thread of its own, or answer 503 at once when [`MAX_CONNECTIONS`] are
+/// being served already (or no thread can be started).
+fn spawn_connection<E: Send + 'static>(
+    stream: UnixStream,
+    shared: &Arc<Shared>,
+    events: &Sender<E>,
+    wrap: fn(ApiCall) -> E,
+    timeouts: Timeouts,
+) {
+    let busy = |stream: UnixStream| {
+        let reply = Reply::error(
+            503,
+            format!("the VM is serving {MAX_CONNECTIONS} connections already: try again"),
+        );
+        let _ = stream.set_nonblocking(false);
+        let _ = stream.set_write_timeout(Some(timeouts.idle));
+        let _ = (&stream).write_all(&http::encode_response(
+            reply.status,
+            reply.body.as_ref(),
+            &[],
+        ));
+    };
+    {
+        let mut active = lock(&shared.active);
+        if *active >= MAX_CONNECTIONS {
+            drop(active);
+            busy(stream);
+            return;
+        }
+        *active += 1;
+    }
+    let thread_shared = Arc::clone(shared);
+    let events = events.clone();
+    let spawned = std::thread::Builder::new()
+        .name("api-conn".into())
+        .stack_size(crate::HELPER_THREAD_STACK)
+        .spawn(move || {
+            serve_connection(stream, &thread_shared, &events, wrap, timeouts);
+            let mut active = lock(&thread_shared.active);
+            *active -= 1;
+            if *active == 0 {
+                thread_shared.idle.notify_all();
+            }
+        });
+    if spawned.is_err() {
+        *lock(&shared.active) -= 1;
+    }
+}
+
+/// The accept thread: accept connections until the [`ApiServer`] stops it.
+fn serve<E: Send + 'static>(
     listener: UnixListener,
     woken: UnixStream,
-    shared: &Shared,
+    shared: &Arc<Shared>,
     events: &Sender<E>,
     wrap: fn(ApiCall) -> E,
     timeouts: Timeouts,
@@ -272,7 +432,7 @@ fn serve<E>(
             continue;
         }
         match listener.accept() {
-            Ok((stream, _)) => serve_connection(stream, shared, events, wrap, timeouts),
+            Ok((stream, _)) => spawn_connection(stream, shared, events, wrap, timeouts),
             Err(e)
                 if matches!(
                     e.kind(),
@@ -299,20 +459,48 @@ fn serve_connection<E>(
     {
         return;
     }
+    static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     {
         let mut current = lock(&shared.current);
         if shared.stopping.load(Ordering::SeqCst) {
             return;
         }
-        *current = stream.try_clone().ok();
+        if let Ok(clone) = stream.try_clone() {
+            current.insert(id, clone);
+        }
     }
-    let answer = match http::read_request(&stream, timeouts.idle, timeouts.request) {
+    let read = http::read_request(
+        &stream,
+        timeouts.idle,
+        timeouts.request,
+        guest::streams_body,
+    );
+    let answer = match read {
         Err(Refusal::Silent) => None,
         // Stopping cut the read short.
         Err(Refusal::Reply { .. }) if shared.stopping.load(Ordering::SeqCst) => {
             Some((shutting_down(), None))
         }
         Err(Refusal::Reply { status, message }) => Some((Reply::error(status, message), None)),
+        Ok(request) if guest::serves(&request.path) => {
+            let paused = || {
+                let reply = ask(Action::Describe, shared, events, wrap, timeouts.reply);
+                match reply.body.as_ref().and_then(|b| b.get("state")) {
+                    Some(state) if reply.status == 200 => Ok(state == "paused"),
+                    _ => Err(reply),
+                }
+            };
+            let cx = guest::Context {
+                services: &shared.services,
+                paused: &paused,
+                idle: timeouts.idle,
+            };
+            match guest::serve(&request, &stream, &cx) {
+                guest::Outcome::Reply(reply) => Some((reply, None)),
+                guest::Outcome::Written => None,
+            }
+        }
         Ok(request) => Some(match route(&request) {
             Ok(action) => (ask(action, shared, events, wrap, timeouts.reply), None),
             Err(Rejection { reply, allow }) => (reply, allow),
@@ -327,7 +515,7 @@ fn serve_connection<E>(
         let _ = (&stream).write_all(&bytes);
         let _ = stream.shutdown(std::net::Shutdown::Write);
     }
-    *lock(&shared.current) = None;
+    lock(&shared.current).remove(&id);
 }
 
 fn shutting_down() -> Reply {
@@ -431,6 +619,7 @@ fn route_list() -> String {
     ROUTES
         .iter()
         .map(|r| format!("{} {}", r.method, r.path))
+        .chain(guest::route_list())
         .collect::<Vec<_>>()
         .join(", ")
 }

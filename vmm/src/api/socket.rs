@@ -89,3 +89,53 @@ pub fn connect(path: &Path, timeout: Duration) -> io::Result<UnixStream> {
     })?;
     Ok(stream)
 }
+
+/// An exclusive lock on `<path>.lock`, held while a server owns `path`. Taken with flock, so it
+/// ends with the process however it dies; the file is removed when the lock is released
+/// normally, and a lock file whose inode no longer is the one at the path (removed by a
+/// releasing owner in between) is taken again.
+pub struct PathLock {
+    file: std::fs::File,
+    path: std::path::PathBuf,
+}
+
+impl PathLock {
+    /// Take the lock without waiting: `EWOULDBLOCK` means another process holds it.
+    pub fn acquire(path: &Path) -> io::Result<Self> {
+        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+        let mut lock_path = path.as_os_str().to_owned();
+        lock_path.push(".lock");
+        let lock_path = std::path::PathBuf::from(lock_path);
+        loop {
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(&lock_path)?;
+            // SAFETY: flock on a descriptor we own; the result is checked.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let held = file.metadata()?;
+            match std::fs::symlink_metadata(&lock_path) {
+                Ok(now) if (now.dev(), now.ino()) == (held.dev(), held.ino()) => {
+                    return Ok(Self {
+                        file,
+                        path: lock_path,
+                    })
+                }
+                // The owner before us removed it while we opened it: take the new one.
+                _ => continue,
+            }
+        }
+    }
+
+    /// Remove the lock file, then let go of the lock.
+    pub fn release(self) {
+        let _ = std::fs::remove_file(&self.path);
+        drop(self.file);
+    }
+}

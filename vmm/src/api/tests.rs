@@ -1,6 +1,6 @@
 //! The server and client together, with a fake VM controller on a thread of its own.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -102,7 +102,8 @@ fn start(name: &str, mode: Mode, timeouts: Timeouts) -> Fixture {
 /// A server on `socket` and a fake controller that treats calls as `mode` says.
 fn controller(socket: &Path, mode: Mode, timeouts: Timeouts) -> (ApiServer, Receiver<Action>) {
     let (events, calls) = mpsc::channel();
-    let server = ApiServer::start_with(socket, events, Event::Api, timeouts).unwrap();
+    let server =
+        ApiServer::start_with(socket, events, Event::Api, timeouts, Services::default()).unwrap();
     let (seen, actions) = mpsc::channel();
     std::thread::spawn(move || {
         let mut held = Vec::new();
@@ -164,7 +165,7 @@ fn read_raw(stream: &mut UnixStream) -> RawResponse {
             Ok(0) => break,
             Ok(n) => out.extend_from_slice(&chunk[..n]),
             // The server closed with our unread bytes: the answer came first.
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => break,
             Err(e) => panic!("reading the response: {e}"),
         }
     }
@@ -523,7 +524,13 @@ fn dropped_reply_gets_503() {
 fn gone_controller_gets_503() {
     let dir = temp_dir("503-gone");
     let (events, calls) = mpsc::channel();
-    let server = ApiServer::start(&dir.join("api.sock"), events, Event::Api).unwrap();
+    let server = ApiServer::start(
+        &dir.join("api.sock"),
+        events,
+        Event::Api,
+        Services::default(),
+    )
+    .unwrap();
     drop(calls);
     let (status, body) = request(server.path(), "GET", "/vm", None).unwrap();
     assert_eq!(
@@ -615,7 +622,8 @@ fn stale_socket_is_replaced() {
 fn live_socket_is_refused() {
     let f = serve("live");
     let (events, _calls) = mpsc::channel();
-    let err = ApiServer::start(f.socket(), events.clone(), Event::Api).unwrap_err();
+    let err =
+        ApiServer::start(f.socket(), events.clone(), Event::Api, Services::default()).unwrap_err();
     assert!(matches!(err, ApiError::InUse { .. }), "{err}");
     assert!(err.to_string().contains("in use"), "{err}");
     // The probe did not disturb the live server, and its socket is still there.
@@ -624,7 +632,7 @@ fn live_socket_is_refused() {
     // Another program's socket is just as live.
     let other = f.dir.join("other.sock");
     let _listener = UnixListener::bind(&other).unwrap();
-    let err = ApiServer::start(&other, events, Event::Api).unwrap_err();
+    let err = ApiServer::start(&other, events, Event::Api, Services::default()).unwrap_err();
     assert!(matches!(err, ApiError::InUse { .. }), "{err}");
 }
 
@@ -632,7 +640,9 @@ fn live_socket_is_refused() {
 fn unusable_paths_are_explained() {
     let dir = temp_dir("paths-bad");
     let (events, _calls) = mpsc::channel();
-    let start = |path: &Path| ApiServer::start(path, events.clone(), Event::Api).unwrap_err();
+    let start = |path: &Path| {
+        ApiServer::start(path, events.clone(), Event::Api, Services::default()).unwrap_err()
+    };
 
     let long = dir.join("x".repeat(120));
     let err = start(&long);
@@ -644,7 +654,7 @@ fn unusable_paths_are_explained() {
         "y".repeat(107 - dir.as_os_str().len() - 1)
     ));
     assert_eq!(longest.as_os_str().len(), 107);
-    drop(ApiServer::start(&longest, events.clone(), Event::Api).unwrap());
+    drop(ApiServer::start(&longest, events.clone(), Event::Api, Services::default()).unwrap());
 
     let err = start(&dir.join("no-such-dir/api.sock"));
     assert!(
@@ -763,4 +773,108 @@ fn extreme_timeouts_do_not_panic() {
         Err(ApiError::Timeout { .. }) => {}
         Err(err) => panic!("{err}"),
     }
+}
+
+#[test]
+fn two_hundred_half_requests_do_not_keep_a_good_one_waiting() {
+    // Default timeouts: the slow clients stay connected for the whole test (5 s idle).
+    let f = start("many-slow", Mode::Answer, Timeouts::default());
+    let mut slow = Vec::new();
+    for _ in 0..200 {
+        let mut stream = UnixStream::connect(f.socket()).unwrap();
+        // Past MAX_CONNECTIONS the server answers 503 and closes at once, which may come
+        // before this write: a closed pipe is that refusal, any other error is not.
+        match stream.write_all(b"GET /vm HTTP/1.1\r\nContent-Le") {
+            Ok(()) => {}
+            Err(e) if matches!(e.kind(), ErrorKind::BrokenPipe | ErrorKind::ConnectionReset) => {}
+            Err(e) => panic!("writing a half request: {e}"),
+        }
+        slow.push(stream);
+    }
+    // Answered while all 200 are still connected, their idle timeout (5 s) not reached:
+    // the answer came from a server that serves connections side by side, not in turn.
+    let started = Instant::now();
+    let (status, body) =
+        request_with_timeout(f.socket(), "GET", "/vm", None, Duration::from_secs(4)).unwrap();
+    assert!(
+        started.elapsed() < Timeouts::default().idle,
+        "answered only after the slow clients timed out"
+    );
+    // Past MAX_CONNECTIONS a client may get 503 at once; either way it got an answer.
+    assert!(status == 200 || status == 503, "{status} {body}");
+    drop(slow);
+    // Once the slow ones are gone, requests are served as usual.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, _) = f.request("GET", "/vm", None);
+        if status == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still busy after the slow clients left"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_busy_server_says_so_at_once() {
+    let f = start("busy", Mode::Answer, Timeouts::default());
+    let mut slow = Vec::new();
+    for _ in 0..server::MAX_CONNECTIONS {
+        let mut stream = UnixStream::connect(f.socket()).unwrap();
+        stream.write_all(b"GET /vm HTTP/1.1\r\n").unwrap();
+        slow.push(stream);
+    }
+    // Let the server take them all.
+    std::thread::sleep(Duration::from_millis(300));
+    // The answer comes before any request is read: the client may not even get to send one.
+    let mut extra = UnixStream::connect(f.socket()).unwrap();
+    let _ = extra.write_all(b"GET /vm HTTP/1.1\r\n\r\n");
+    let r = read_raw(&mut extra);
+    assert_eq!(r.status, 503);
+    assert!(r.json()["error"].as_str().unwrap().contains("connections"));
+}
+
+#[test]
+fn two_servers_racing_for_a_stale_socket_end_with_one_winner() {
+    let dir = temp_dir("race");
+    for round in 0..20 {
+        let socket = dir.join(format!("api-{round}.sock"));
+        drop(UnixListener::bind(&socket).unwrap());
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let racers: Vec<_> = (0..2)
+            .map(|_| {
+                let socket = socket.clone();
+                let barrier = barrier.clone();
+                std::thread::spawn(move || {
+                    let (events, calls) = mpsc::channel::<Event>();
+                    barrier.wait();
+                    let result = ApiServer::start(&socket, events, Event::Api, Services::default());
+                    (result, calls)
+                })
+            })
+            .collect();
+        let results: Vec<_> = racers.into_iter().map(|r| r.join().unwrap()).collect();
+        let winners = results.iter().filter(|(r, _)| r.is_ok()).count();
+        assert_eq!(
+            winners, 1,
+            "round {round}: {winners} servers own the socket"
+        );
+        for (result, _) in &results {
+            if let Err(err) = result {
+                assert!(
+                    matches!(err, ApiError::InUse { .. }),
+                    "round {round}: {err}"
+                );
+            }
+        }
+        let lock = dir.join(format!("api-{round}.sock.lock"));
+        assert!(lock.exists(), "the winner holds the lock file");
+        drop(results);
+        assert!(!lock.exists(), "the lock file goes with its server");
+        assert!(!socket.exists(), "so does the socket");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -17,14 +17,19 @@ use super::layout::{
     VMGENID_ADDR,
 };
 use crate::memory::GuestMemory;
+use mayfly_devices::persist::DeviceResources;
 
 const OEM_ID: &[u8; 6] = b"MAYFLY";
 const OEM_TABLE_ID: &[u8; 8] = b"MICROVM ";
 const CREATOR_ID: &[u8; 4] = b"MAYF";
 
 #[derive(Debug, thiserror::Error)]
-#[error("cannot write the ACPI tables into guest memory: {0}")]
-pub struct AcpiError(#[from] vm_memory::GuestMemoryError);
+pub enum AcpiError {
+    #[error("cannot write the ACPI tables into guest memory: {0}")]
+    Memory(#[from] vm_memory::GuestMemoryError),
+    #[error("the ACPI tables take {0} bytes, more than the BIOS area holds: too many devices")]
+    TooLarge(u64),
+}
 
 fn checksum(bytes: &[u8]) -> u8 {
     bytes
@@ -102,7 +107,7 @@ fn fadt(dsdt_addr: u64) -> Vec<u8> {
 /// The DSDT: the soft-off sleep type `\_S5`, and the devices. In a hardware-reduced platform
 /// the guest maps no ISA interrupt by itself: a device's IRQ works only once the DSDT
 /// describes it.
-fn dsdt() -> Vec<u8> {
+fn dsdt(virtio: &[DeviceResources]) -> Vec<u8> {
     let s5 = aml::package(&[
         aml::integer(u64::from(S5_SLEEP_TYPE)),
         aml::integer(0),
@@ -165,11 +170,26 @@ fn dsdt() -> Vec<u8> {
             ),
         ],
     );
-    let body = [
-        aml::name("_S5", &s5),
-        aml::scope("\\_SB", &[com1, vmgenid, ged, identity]),
-    ]
-    .concat();
+    // Each virtio-mmio device: Linux's virtio_mmio driver binds to LNRO0005. The interrupt is
+    // edge-triggered, active-high: the irqfd signals edges.
+    let mut devices = vec![com1, vmgenid, ged, identity];
+    for (i, dev) in virtio.iter().enumerate() {
+        devices.push(aml::device(
+            &format!("VR{i:02X}"),
+            &[
+                aml::name("_HID", &aml::string("LNRO0005")),
+                aml::name("_UID", &aml::integer(i as u64)),
+                aml::name(
+                    "_CRS",
+                    &aml::resource_template(&[
+                        aml::memory32_fixed(dev.mmio_base as u32, dev.mmio_size as u32),
+                        aml::interrupt(dev.gsi),
+                    ]),
+                ),
+            ],
+        ));
+    }
+    let body = [aml::name("_S5", &s5), aml::scope("\\_SB", &devices)].concat();
     sdt(b"DSDT", 6, &body)
 }
 
@@ -214,14 +234,14 @@ fn rsdp(xsdt_addr: u64) -> Vec<u8> {
 }
 
 /// All tables, laid out from `base` (the RSDP first), as (address, bytes).
-fn build(base: u64, vcpus: u8) -> Vec<(u64, Vec<u8>)> {
+fn build(base: u64, vcpus: u8, virtio: &[DeviceResources]) -> Vec<(u64, Vec<u8>)> {
     let align = |addr: u64| (addr + 15) & !15;
     let rsdp_addr = base;
     let xsdt_addr = align(rsdp_addr + 36);
     // The XSDT points at two tables.
     let fadt_addr = align(xsdt_addr + 36 + 2 * 8);
     let dsdt_addr = align(fadt_addr + 276);
-    let dsdt = dsdt();
+    let dsdt = dsdt(virtio);
     let madt_addr = align(dsdt_addr + dsdt.len() as u64);
     vec![
         (rsdp_addr, rsdp(xsdt_addr)),
@@ -233,8 +253,23 @@ fn build(base: u64, vcpus: u8) -> Vec<(u64, Vec<u8>)> {
 }
 
 /// Write the tables at [`RSDP_START`]; returns the RSDP's address for the boot protocol.
-pub fn write_acpi_tables(mem: &GuestMemory, vcpus: u8) -> Result<u64, AcpiError> {
-    for (addr, bytes) in build(RSDP_START, vcpus) {
+pub fn write_acpi_tables(
+    mem: &GuestMemory,
+    vcpus: u8,
+    virtio: &[DeviceResources],
+) -> Result<u64, AcpiError> {
+    let tables = build(RSDP_START, vcpus, virtio);
+    // The tables live in the BIOS area below the identity page; a DSDT that grew past it
+    // would overwrite what follows.
+    let end = tables
+        .iter()
+        .map(|(addr, bytes)| addr + bytes.len() as u64)
+        .max()
+        .unwrap_or(RSDP_START);
+    if end > IDENTITY_PAGE_ADDR {
+        return Err(AcpiError::TooLarge(end - RSDP_START));
+    }
+    for (addr, bytes) in tables {
         mem.write_slice(&bytes, GuestAddress(addr))?;
     }
     Ok(RSDP_START)
@@ -250,7 +285,12 @@ mod tests {
 
     #[test]
     fn tables_are_consistent() {
-        let tables = build(0xe0000, 2);
+        let virtio = [DeviceResources {
+            mmio_base: 0xd000_1000,
+            mmio_size: 0x1000,
+            gsi: 6,
+        }];
+        let tables = build(0xe0000, 2, &virtio);
         let (_, rsdp) = &tables[0];
         assert!(sums_to_zero(&rsdp[..20]) && sums_to_zero(rsdp));
         for (addr, table) in &tables[1..] {

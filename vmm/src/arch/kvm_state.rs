@@ -38,6 +38,13 @@ fn kvm_err(what: impl Into<String>) -> impl FnOnce(kvm_ioctls::Error) -> StateEr
 
 const MSR_IA32_TSC_DEADLINE: u32 = 0x6e0;
 
+/// MSRs one KVM_GET_MSRS / KVM_SET_MSRS takes at most (kvm-bindings' `Msrs` cap): longer
+/// lists go in batches.
+const MSR_BATCH: usize = kvm_bindings::KVM_MAX_MSR_ENTRIES;
+/// MSRs a saved vCPU may list (KVM saves a few dozen; a state file listing more is not one
+/// mayfly wrote).
+pub const MAX_SAVED_MSRS: usize = 1024;
+
 /// What this host's KVM can save and restore, probed once per VM.
 #[derive(Clone, Debug)]
 pub struct KvmCaps {
@@ -109,7 +116,7 @@ fn get_msrs(vcpu: &VcpuFd, index: &[u32]) -> Result<Vec<kvm_msr_entry>, StateErr
     let mut saved = Vec::with_capacity(index.len());
     let mut rest = index;
     while !rest.is_empty() {
-        let entries: Vec<kvm_msr_entry> = rest
+        let entries: Vec<kvm_msr_entry> = rest[..rest.len().min(MSR_BATCH)]
             .iter()
             .map(|&index| kvm_msr_entry {
                 index,
@@ -124,8 +131,13 @@ fn get_msrs(vcpu: &VcpuFd, index: &[u32]) -> Result<Vec<kvm_msr_entry>, StateErr
             .get_msrs(&mut msrs)
             .map_err(kvm_err("read the vCPU's MSRs"))?;
         saved.extend_from_slice(&msrs.as_slice()[..read]);
-        // Skip the one that failed.
-        rest = &rest[(read + 1).min(rest.len())..];
+        // A whole batch read: go on with the next; otherwise skip the one that failed.
+        let skip = if read == entries.len() {
+            read
+        } else {
+            read + 1
+        };
+        rest = &rest[skip.min(rest.len())..];
     }
     Ok(saved)
 }
@@ -304,17 +316,19 @@ pub fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState, caps: &KvmCaps) -> Result<
 
     let mut msrs_in_order = state.msrs.clone();
     msrs_in_order.sort_by_key(|m| m.index == MSR_IA32_TSC_DEADLINE);
-    let msrs = Msrs::from_entries(&msrs_in_order).map_err(|_| StateError::Kvm {
-        what: "take that many MSRs".into(),
-        source: kvm_ioctls::Error::new(libc::E2BIG),
-    })?;
-    let written = vcpu.set_msrs(&msrs).map_err(kvm_err("set the MSRs"))?;
-    if written < msrs_in_order.len() {
-        return Err(StateError::Msr {
-            index: msrs_in_order[written].index,
-            position: written + 1,
-            count: msrs_in_order.len(),
-        });
+    for (batch_index, batch) in msrs_in_order.chunks(MSR_BATCH).enumerate() {
+        let msrs = Msrs::from_entries(batch).map_err(|_| StateError::Kvm {
+            what: "take that many MSRs".into(),
+            source: kvm_ioctls::Error::new(libc::E2BIG),
+        })?;
+        let written = vcpu.set_msrs(&msrs).map_err(kvm_err("set the MSRs"))?;
+        if written < batch.len() {
+            return Err(StateError::Msr {
+                index: batch[written].index,
+                position: batch_index * MSR_BATCH + written + 1,
+                count: msrs_in_order.len(),
+            });
+        }
     }
     vcpu.set_vcpu_events(&state.vcpu_events)
         .map_err(kvm_err("set the vCPU events"))?;

@@ -1,4 +1,5 @@
-//! Builds the probe guest (guest-kernel/probe) with the machine's own assembler and linker.
+//! Builds the probe guest (guest-kernel/probe) with the machine's own assembler and linker, for
+//! the tests and benchmarks that run it ([`mayfly_tests::probe::ELF`]).
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -1,0 +1,235 @@
+//! Frames: a 4-byte big-endian length L, then L bytes: the type byte and the payload.
+//! `1 <= L <= MAX_FRAME`. Readers check the length before they allocate or read anything
+//! else, so a hostile peer can make us hold at most one `MAX_FRAME` buffer.
+
+use std::fmt;
+use std::io::{self, Read, Write};
+
+use crate::error::{FrameError, ProtocolError};
+use crate::messages::Message;
+use crate::MAX_FRAME;
+
+/// A frame's type byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum FrameType {
+    Hello = 0x01,
+    Request = 0x02,
+    Stdin = 0x03,
+    Stdout = 0x04,
+    Stderr = 0x05,
+    Exit = 0x06,
+    Signal = 0x07,
+    Ok = 0x08,
+    Error = 0x09,
+    Data = 0x0A,
+    Started = 0x0B,
+    Entries = 0x0C,
+}
+
+impl FrameType {
+    /// The type for a byte, or `None` for a byte this protocol version does not define.
+    pub fn from_byte(byte: u8) -> Option<FrameType> {
+        use FrameType::*;
+        Some(match byte {
+            0x01 => Hello,
+            0x02 => Request,
+            0x03 => Stdin,
+            0x04 => Stdout,
+            0x05 => Stderr,
+            0x06 => Exit,
+            0x07 => Signal,
+            0x08 => Ok,
+            0x09 => Error,
+            0x0A => Data,
+            0x0B => Started,
+            0x0C => Entries,
+            _ => return None,
+        })
+    }
+
+    pub fn as_byte(self) -> u8 {
+        self as u8
+    }
+
+    /// The name the documentation uses, e.g. `"STDOUT"`.
+    pub fn name(self) -> &'static str {
+        use FrameType::*;
+        match self {
+            Hello => "HELLO",
+            Request => "REQUEST",
+            Stdin => "STDIN",
+            Stdout => "STDOUT",
+            Stderr => "STDERR",
+            Exit => "EXIT",
+            Signal => "SIGNAL",
+            Ok => "OK",
+            Error => "ERROR",
+            Data => "DATA",
+            Started => "STARTED",
+            Entries => "ENTRIES",
+        }
+    }
+}
+
+impl fmt::Display for FrameType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One frame: its type and its raw payload (JSON text or bytes, depending on the type).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    pub kind: FrameType,
+    pub payload: Vec<u8>,
+}
+
+/// Checks a length prefix: the one place that decides whether a length is acceptable.
+fn check_length(len: u32) -> Result<usize, ProtocolError> {
+    let len = len as usize;
+    if len == 0 {
+        Err(ProtocolError::EmptyFrame)
+    } else if len > MAX_FRAME {
+        Err(ProtocolError::FrameTooLarge(len as u64))
+    } else {
+        Ok(len)
+    }
+}
+
+fn check_type(byte: u8) -> Result<FrameType, ProtocolError> {
+    FrameType::from_byte(byte).ok_or(ProtocolError::UnknownType(byte))
+}
+
+/// The bytes of one frame, ready to be written in one piece (so that writers sharing a
+/// stream under a lock never interleave parts of frames).
+pub fn encode_frame(kind: FrameType, payload: &[u8]) -> Result<Vec<u8>, ProtocolError> {
+    if payload.len() > MAX_FRAME - 1 {
+        return Err(ProtocolError::PayloadTooLarge {
+            frame: kind,
+            len: payload.len(),
+        });
+    }
+    let len = (payload.len() + 1) as u32;
+    let mut buf = Vec::with_capacity(5 + payload.len());
+    buf.extend_from_slice(&len.to_be_bytes());
+    buf.push(kind.as_byte());
+    buf.extend_from_slice(payload);
+    Ok(buf)
+}
+
+/// Writes one frame.
+pub fn write_frame<W: Write + ?Sized>(
+    w: &mut W,
+    kind: FrameType,
+    payload: &[u8],
+) -> Result<(), FrameError> {
+    let buf = encode_frame(kind, payload)?;
+    w.write_all(&buf)?;
+    w.flush()?;
+    Ok(())
+}
+
+/// Reads one frame. `Ok(None)` means the stream ended cleanly at a frame boundary; an end
+/// anywhere else is [`ProtocolError::Truncated`].
+pub fn read_frame<R: Read + ?Sized>(r: &mut R) -> Result<Option<Frame>, FrameError> {
+    let mut header = [0u8; 4];
+    let mut got = 0;
+    while got < header.len() {
+        match r.read(&mut header[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(ProtocolError::Truncated.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let len = check_length(u32::from_be_bytes(header))?;
+    let mut kind = [0u8; 1];
+    read_exact_or_truncated(r, &mut kind)?;
+    let kind = check_type(kind[0])?;
+    // Bounded by check_length: at most MAX_FRAME - 1 bytes.
+    let mut payload = vec![0u8; len - 1];
+    read_exact_or_truncated(r, &mut payload)?;
+    Ok(Some(Frame { kind, payload }))
+}
+
+fn read_exact_or_truncated<R: Read + ?Sized>(r: &mut R, buf: &mut [u8]) -> Result<(), FrameError> {
+    r.read_exact(buf).map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            FrameError::Protocol(ProtocolError::Truncated)
+        } else {
+            FrameError::Io(e)
+        }
+    })
+}
+
+/// Reads and decodes one message; `Ok(None)` at a clean end of stream.
+pub fn read_message<R: Read + ?Sized>(r: &mut R) -> Result<Option<Message>, FrameError> {
+    match read_frame(r)? {
+        Some(frame) => Ok(Some(Message::from_frame(frame)?)),
+        None => Ok(None),
+    }
+}
+
+/// Encodes and writes one message.
+pub fn write_message<W: Write + ?Sized>(w: &mut W, msg: &Message) -> Result<(), FrameError> {
+    let buf = msg.encode()?;
+    w.write_all(&buf)?;
+    w.flush()?;
+    Ok(())
+}
+
+/// An incremental decoder for readers that cannot block (an event loop): push whatever bytes
+/// arrived, then take complete frames out. Bad lengths and types are reported as soon as
+/// the header is in, before the payload arrives.
+#[derive(Debug, Default)]
+pub struct FrameDecoder {
+    buf: Vec<u8>,
+}
+
+impl FrameDecoder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends received bytes. The caller bounds how much it pushes between calls to
+    /// [`FrameDecoder::next_frame`]; the decoder itself never holds more than one frame
+    /// plus that.
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// Bytes received but not yet returned as a frame.
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The next complete frame, `Ok(None)` if more bytes are needed.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, ProtocolError> {
+        if self.buf.len() < 4 {
+            return Ok(None);
+        }
+        let len = check_length(u32::from_be_bytes([
+            self.buf[0],
+            self.buf[1],
+            self.buf[2],
+            self.buf[3],
+        ]))?;
+        if self.buf.len() < 5 {
+            return Ok(None);
+        }
+        let kind = check_type(self.buf[4])?;
+        if self.buf.len() < 4 + len {
+            return Ok(None);
+        }
+        let payload = self.buf[5..4 + len].to_vec();
+        self.buf.drain(..4 + len);
+        Ok(Some(Frame { kind, payload }))
+    }
+
+    /// Whether the stream may end here: no partial frame is buffered.
+    pub fn at_boundary(&self) -> bool {
+        self.buf.is_empty()
+    }
+}

@@ -1,0 +1,74 @@
+//! The probe guest (guest-kernel/probe): a tiny guest that runs in user mode on any KVM, the
+//! host's own included, and reports through mayfly's probe device. Tests that need a running
+//! VM but no Linux guest use it.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::guest::Guest;
+
+/// The probe guest's ELF, built by this crate's build script.
+pub const ELF: &str = env!("MAYFLY_PROBE_ELF");
+
+/// How long a probe may take to report (it reports in milliseconds; this only stops a hang).
+pub const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Boot the probe with `mem_mib` of RAM, a control socket at `sock` and its console discarded;
+/// returns once it has written its pages and waits for a restore (a snapshot taken earlier
+/// would not notice it was restored).
+pub fn boot(mem_mib: u64, sock: &Path, name: &str) -> Guest {
+    let guest = Guest::start(&[
+        "run",
+        "--probe",
+        "--kernel",
+        ELF,
+        "--mem-mib",
+        &mem_mib.to_string(),
+        "--cmdline",
+        "touch=1",
+        "--console",
+        "/dev/null",
+        "--name",
+        name,
+        "--api-sock",
+        &sock.to_string_lossy(),
+    ]);
+    assert!(
+        guest.wait_stderr("mayfly-probe: waiting", TIMEOUT),
+        "the probe did not boot: {}",
+        guest.stderr()
+    );
+    guest
+}
+
+/// The probe's report lines on a VMM's stderr: `mayfly-probe: <kind> <value> <ns>`, in order.
+pub fn reports(stderr: &str) -> Vec<(String, u64, u64)> {
+    stderr
+        .lines()
+        .filter_map(|line| {
+            let mut w = line.split_whitespace();
+            match (w.next(), w.next(), w.next(), w.next()) {
+                (Some("mayfly-probe:"), Some(kind), Some(value), Some(ns)) => {
+                    Some((kind.to_string(), value.parse().ok()?, ns.parse().ok()?))
+                }
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// Wait until the probe VM `guest` reports `kind` (e.g. "resumed"); on a timeout, ask the VMM
+/// for its state dump and fail with everything it printed.
+pub fn wait_report(guest: &Guest, kind: &str) {
+    let pattern = format!("mayfly-probe: {kind}");
+    if guest.wait_stderr(&pattern, TIMEOUT) {
+        return;
+    }
+    // SAFETY: kill(2) asking our own child VMM for a state dump.
+    unsafe { libc::kill(guest.pid() as i32, libc::SIGUSR1) };
+    std::thread::sleep(Duration::from_secs(2));
+    panic!(
+        "the probe did not report {kind:?} within {TIMEOUT:?}; the VMM's stderr:\n{}",
+        guest.stderr()
+    );
+}

@@ -1,0 +1,229 @@
+//! The VM's controller: the one thread that decides. Requests from the control socket, power
+//! requests from the guest, signals and failures all arrive here as [`VmEvent`]s; the
+//! controller acts on the machine (pause, snapshot, fork, ...) and answers. A request walks
+//! socket -> controller -> machine -> vCPUs and devices; nothing below calls back up.
+
+use std::path::Path;
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::Arc;
+use std::time::Duration;
+
+use mayfly_agent_protocol::RefreshEvent;
+
+use mayfly_devices::PowerRequest;
+
+use crate::agent::RefreshStatus;
+use crate::api::{Action, ApiError, ApiServer, Reply, SocketClaim};
+use crate::event::{VmEvent, VmExit};
+use crate::fork::{ForkError, ForkRequest};
+use crate::machine::Machine;
+
+pub struct Controller {
+    /// The control socket, when the VM has one. Dropped first: no request outlives the VM.
+    pub api: Option<ApiServer>,
+    pub machine: Machine,
+    pub events: Receiver<VmEvent>,
+    pub event_sender: Sender<VmEvent>,
+    /// The claim on the vsock socket's path, let go after the device removed its socket.
+    pub vsock_claim: Option<SocketClaim>,
+    /// The refresh of the guest through its agent (clock, entropy, name, hooks).
+    refresh: Arc<RefreshStatus>,
+    /// A refresh to start once a paused VM resumes (its agent cannot answer before).
+    pending_refresh: Option<(RefreshEvent, Duration)>,
+}
+
+impl Controller {
+    pub fn new(machine: Machine, events: Receiver<VmEvent>, event_sender: Sender<VmEvent>) -> Self {
+        Self {
+            api: None,
+            machine,
+            events,
+            event_sender,
+            vsock_claim: None,
+            refresh: Arc::default(),
+            pending_refresh: None,
+        }
+    }
+
+    /// Tell the guest what happened to it (booted, restored, forked) through its agent: the
+    /// host's clock, fresh entropy, its name, its hook scripts. Runs on a thread of its own,
+    /// waiting up to `wait` for the agent; a paused VM gets it when it resumes. Exec and file
+    /// requests wait for it, so that nothing runs in a clone before it is told it is one.
+    /// A VM without a vsock device (or the probe guest, which has no agent) has nothing to do.
+    pub fn refresh_guest(&mut self, event: RefreshEvent, wait: Duration) {
+        if self.machine.info.probe {
+            return;
+        }
+        if self.machine.paused() {
+            self.pending_refresh = Some((event, wait));
+            return;
+        }
+        let Some((Some(vsock), _)) = self.machine.devices.vsock() else {
+            return;
+        };
+        let identity = self.machine.info.identity.clone();
+        if let Err(e) = crate::agent::spawn_refresh(&vsock, event, identity, wait, &self.refresh) {
+            eprintln!("mayfly: cannot start the guest refresh: {e}");
+        }
+    }
+
+    /// Serve the control socket on the path `claim` holds.
+    pub fn start_api(&mut self, claim: SocketClaim) -> Result<(), ApiError> {
+        let vsock = self.machine.devices.vsock().and_then(|(path, _)| path);
+        self.api = Some(ApiServer::start_claimed(
+            claim,
+            self.event_sender.clone(),
+            VmEvent::Api,
+            crate::api::Timeouts::default(),
+            crate::api::Services {
+                vsock,
+                refresh: self.refresh.clone(),
+            },
+        )?);
+        Ok(())
+    }
+
+    /// Serve requests until something ends the VM, then stop every vCPU.
+    pub fn run(mut self) -> VmExit {
+        let exit = loop {
+            let event = match self.events.recv() {
+                Ok(event) => event,
+                // Every sender gone: cannot happen while `self` holds one.
+                Err(_) => break VmExit::PowerOff,
+            };
+            match event {
+                VmEvent::Api(call) => {
+                    let (reply, exit) = self.handle(call.action);
+                    let _ = call.reply.send(reply);
+                    if let Some(exit) = exit {
+                        break exit;
+                    }
+                }
+                VmEvent::Power(PowerRequest::PowerOff) => break VmExit::PowerOff,
+                VmEvent::Power(PowerRequest::Reset) => break VmExit::Reset,
+                VmEvent::Signal(libc::SIGUSR1) => {
+                    eprintln!("{}", crate::diagnostics::state_dump(&mut self.machine))
+                }
+                VmEvent::Signal(sig) => break VmExit::Signal(sig),
+                VmEvent::MemoryFailed(reason) => break VmExit::Failed(reason),
+                VmEvent::VcpuFailed {
+                    index,
+                    reason,
+                    registers,
+                } => {
+                    break VmExit::Crashed {
+                        index,
+                        reason,
+                        registers,
+                    }
+                }
+            }
+        };
+        // Stop accepting requests before the VM goes away.
+        self.api = None;
+        self.machine.stop();
+        // A guest that "crashed" or "rebooted" because the file behind its memory was cut
+        // short did neither by itself: say what happened.
+        match (&exit, self.machine.ram.backing_problem()) {
+            (VmExit::Reset | VmExit::Crashed { .. }, Some(problem)) => VmExit::Failed(format!(
+                "{problem}; the guest stopped because its memory changed under it (keep a snapshot's files unchanged while VMs restored from them run, or restore with --memory eager)"
+            )),
+            _ => exit,
+        }
+    }
+
+    /// Answer one control socket request; the second value ends the VM.
+    fn handle(&mut self, action: Action) -> (Reply, Option<VmExit>) {
+        let paused = self.machine.paused();
+        match action {
+            Action::Describe => (Reply::ok(self.describe()), None),
+            Action::Pause if paused => (Reply::error(409, "the VM is already paused"), None),
+            Action::Pause => match self.machine.pause() {
+                Ok(()) => (Reply::no_content(), None),
+                Err(e) => (Reply::error(500, e.to_string()), None),
+            },
+            Action::Resume if !paused => (Reply::error(409, "the VM is not paused"), None),
+            Action::Resume => {
+                self.machine.resume();
+                if let Some((event, wait)) = self.pending_refresh.take() {
+                    self.refresh_guest(event, wait);
+                }
+                (Reply::no_content(), None)
+            }
+            Action::Snapshot { .. } if !paused => (
+                Reply::error(
+                    409,
+                    "the VM must be paused to be snapshotted: PUT /vm/pause first",
+                ),
+                None,
+            ),
+            Action::Snapshot { path } => match crate::snapshot::create(&self.machine, &path) {
+                Ok(report) => (
+                    Reply::ok(serde_json::to_value(report).unwrap_or_default()),
+                    None,
+                ),
+                Err(e) => (Reply::error(e.http_status(), e.to_string()), None),
+            },
+            Action::Fork {
+                count,
+                name_prefix,
+                parent_paused,
+            } => {
+                let request = ForkRequest {
+                    count,
+                    name_prefix,
+                    parent_paused,
+                };
+                let dir = self
+                    .api
+                    .as_ref()
+                    .and_then(|api| api.path().parent().map(Path::to_path_buf));
+                match crate::fork::fork(&mut self.machine, dir.as_deref(), &request) {
+                    Ok(report) => (
+                        Reply::ok(serde_json::to_value(report).unwrap_or_default()),
+                        None,
+                    ),
+                    Err(e) => {
+                        let status = match e {
+                            ForkError::NoClones
+                            | ForkError::TooMany(_)
+                            | ForkError::Name(_)
+                            | ForkError::NoSocket => 400,
+                            ForkError::NamesInUse { .. } => 409,
+                            ForkError::NotEnoughMemory { .. } => 507,
+                            ForkError::ShuttingDown => 409,
+                            _ => 500,
+                        };
+                        (Reply::error(status, e.to_string()), None)
+                    }
+                }
+            }
+            Action::Shutdown => (Reply::no_content(), Some(VmExit::Shutdown)),
+        }
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        let m = &self.machine;
+        let id = &m.info.identity;
+        let vsock = m.devices.vsock();
+        serde_json::json!({
+            "name": id.name,
+            "clone_index": id.index,
+            "parent": id.parent,
+            "generation": id.generation,
+            "state": if m.paused() { "paused" } else { "running" },
+            "origin": m.info.origin,
+            "memory_mode": m.ram.kind.name(),
+            "vcpus": m.info.vcpu_count,
+            "mem_mib": m.ram.size() >> 20,
+            "cmdline": m.info.cmdline,
+            "uptime_ms": u64::try_from(m.info.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            "pid": std::process::id(),
+            "agent_refresh": self.refresh.word(),
+            "vsock": vsock.as_ref().map(|(path, cid)| serde_json::json!({
+                "path": path,
+                "guest_cid": cid,
+            })),
+        })
+    }
+}
