@@ -2,7 +2,7 @@
 # Gets a fresh Debian 12 machine (as root) ready to build, run and test mayfly:
 #   1. Debian packages: kernel source and build tools, busybox, QEMU and its firmware from
 #      bookworm-backports (for the test rig), clang headers for the userfaultfd bindings;
-#   2. the guest kernel and initramfs, and the test rig's L1 kernel, initramfs and patched QEMU,
+#   2. the guest kernel, initramfs and Debian disk image, and the test rig's L1 kernel, initramfs and patched QEMU,
 #      each built once and cached by a hash of its inputs under $MAYFLY_CACHE (default
 #      ~/.cache/mayfly);
 #   3. mayfly itself (release build, with the default guest built in).
@@ -33,7 +33,7 @@ done
 
 packages=(
     linux-source-6.1 build-essential flex bison bc libelf-dev libssl-dev cpio xz-utils
-    busybox-static libclang-dev util-linux python3
+    busybox-static libclang-dev util-linux python3 mmdebstrap e2fsprogs
 )
 missing=()
 for p in "${packages[@]}"; do
@@ -68,6 +68,8 @@ command -v cargo >/dev/null || { say "cargo is missing: install Rust (https://ru
 
 guest-kernel/build.sh microvm >/dev/null
 rootfs/build.sh guest >/dev/null
+# The Debian root file system image (`mayfly run --rootfs debian`; the disk tests boot it).
+rootfs/build.sh debian >/dev/null
 
 say "building mayfly (release)"
 cargo build --release --workspace --bins --quiet

@@ -13,7 +13,7 @@ use crate::state::HostFingerprint;
 pub const MAGIC: [u8; 8] = *b"MAYFLYSN";
 /// Bumped whenever the encoding of the header or the state changes (the golden-file test in
 /// `state.rs` fails when it changes without a bump).
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 /// Decoding never allocates beyond this, whatever a damaged length field says: no more than
 /// the largest state file holds.
 const DECODE_LIMIT: usize = crate::open::MAX_STATE_BYTES as usize;
@@ -109,7 +109,8 @@ pub fn decode<B: DeserializeOwned>(bytes: &[u8], path: &str) -> Result<(Header, 
         });
     }
     let u32_at = |at: usize| -> Result<u32, SnapshotError> {
-        let b = bytes.get(at..at + 4).ok_or_else(truncated)?;
+        let end = at.checked_add(4).ok_or_else(truncated)?;
+        let b = bytes.get(at..end).ok_or_else(truncated)?;
         Ok(u32::from_le_bytes(b.try_into().expect("4 bytes")))
     };
     let version = u32_at(8)?;

@@ -227,7 +227,7 @@ mod golden {
         kvm_vcpu_events__bindgen_ty_3, kvm_vcpu_events__bindgen_ty_4,
         kvm_vcpu_events__bindgen_ty_5, kvm_xcr,
     };
-    use mayfly_devices::disk::{DiskIdentity, LayerId};
+    use mayfly_devices::disk::{Chain, DiskIdentity, LayerId};
     use mayfly_devices::legacy::SerialConsoleState;
     use mayfly_devices::persist::{DeviceResources, VirtioDeviceState, VirtioKindState};
     use mayfly_devices::virtio::block::BlockState;
@@ -608,6 +608,14 @@ mod golden {
                                 base_identity: "sha256:0123456789abcdef".into(),
                                 disk_size: 8 << 30,
                                 layers: vec![LayerId(pattern(0x31)), LayerId(pattern(0x41))],
+                            },
+                            chain: Chain {
+                                base: PathBuf::from("/images/golden-base.ext4"),
+                                base_identity: "sha256:0123456789abcdef".into(),
+                                layers: vec![
+                                    PathBuf::from("disks/vda-0123456789abcdef.layer"),
+                                    PathBuf::from("disks/vda-fedcba9876543210.layer"),
+                                ],
                             },
                         }),
                     ),

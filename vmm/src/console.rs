@@ -4,6 +4,7 @@
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -62,7 +63,14 @@ impl Console {
     pub fn output(&self) -> Result<ConsoleOut, ConsoleError> {
         match self {
             Console::Stdio => Ok(Box::new(Stdout)),
-            Console::File(path) => File::create(path)
+            // Not following a symlink: a console log is the VMM's own file (a fork creates a
+            // clone's with O_EXCL, and the clone reopens it here).
+            Console::File(path) => File::options()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(path)
                 .map(|f| Box::new(f) as ConsoleOut)
                 .map_err(|source| ConsoleError {
                     path: path.clone(),

@@ -27,6 +27,7 @@ use mayfly_devices::legacy::{SerialConsole, SerialConsoleState, I8042};
 use mayfly_devices::persist::{DeviceResources, DevicesState, VirtioDeviceState, VirtioKindState};
 use mayfly_devices::power::{AcpiPower, ACPI_POWER_PORT, ACPI_POWER_PORT_COUNT};
 use mayfly_devices::probe::{Probe, ProbeWaker, PROBE_ADDR, PROBE_SIZE};
+use mayfly_devices::virtio::block::{Block, BlockError};
 use mayfly_devices::virtio::mmio::{MmioTransport, MmioTransportState};
 use mayfly_devices::virtio::rng::Rng;
 use mayfly_devices::virtio::thread::{DeviceThread, Gate};
@@ -36,6 +37,7 @@ use mayfly_devices::PowerHandler;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::layout::{GED_GSI, IOAPIC_PINS};
+use crate::disks::{self, DiskSetupError, DiskSpec};
 use crate::event::VmEvent;
 
 /// Where virtio MMIO windows start: after the probe device's page, in the gap below 4 GiB.
@@ -72,6 +74,13 @@ pub enum DeviceError {
     },
     #[error("a device thread did not stop for the pause: {0}")]
     Stuck(String),
+    #[error("disk {serial}: {source}")]
+    Disk {
+        serial: String,
+        source: DiskSetupError,
+    },
+    #[error("disk {serial}: {source}")]
+    Block { serial: String, source: BlockError },
 }
 
 /// Hands out MMIO windows and interrupt lines, and takes back those a restored VM already has.
@@ -129,6 +138,10 @@ impl ResourceAllocator {
 pub struct DevicesConfig {
     pub rng: bool,
     pub vsock: Option<VsockConfig>,
+    /// Disks, in order: the first is `vda` (the root file system with `--rootfs`).
+    pub disks: Vec<DiskSpec>,
+    /// Where the writable disks' own layers live (see `disks`).
+    pub disk_dir: Option<PathBuf>,
 }
 
 /// The vsock device: the guest's CID and the host socket (none: the guest can reach nothing
@@ -146,12 +159,18 @@ pub struct RestoreTargets {
     pub vsock_path: Option<PathBuf>,
     /// A clone's own CID; None keeps the snapshot's.
     pub vsock_cid: Option<u64>,
+    /// The snapshot directory the disks' layers are named relative to (None for a fork,
+    /// whose state names them by full path).
+    pub snapshot_dir: Option<PathBuf>,
+    /// Where the writable disks' new top layers go.
+    pub disk_dir: Option<PathBuf>,
 }
 
 /// A device of known kind (for its own state), as the manager keeps it.
 enum Concrete {
     Rng(Arc<Mutex<Rng>>),
     Vsock(Arc<Mutex<Vsock>>),
+    Block(Arc<Mutex<Block>>),
 }
 
 struct VirtioSlot {
@@ -170,6 +189,7 @@ struct VirtioSlot {
 enum Summary {
     Rng,
     Vsock { path: Option<PathBuf>, cid: u64 },
+    Block { serial: String, read_only: bool },
 }
 
 /// A device's lock, if its thread lets go of it within a moment: for the state dump, which must
@@ -199,6 +219,8 @@ pub struct DeviceManager {
     /// Where the console's helper threads (input, UART watchdog) stop while paused.
     pub console_gate: Arc<Gate>,
     virtio: Vec<VirtioSlot>,
+    /// Where the writable disks keep their layers (and new tops go at a freeze).
+    disk_dir: Option<PathBuf>,
 }
 
 fn power_handler(events: &Sender<VmEvent>) -> PowerHandler {
@@ -242,6 +264,30 @@ impl DeviceManager {
                 None,
             )?;
         }
+        manager.disk_dir = config.disk_dir.clone();
+        for (index, spec) in config.disks.iter().enumerate() {
+            let serial = disks::serial(index).map_err(|source| DeviceError::Disk {
+                serial: format!("#{index}"),
+                source,
+            })?;
+            let disk = disks::open_for_boot(spec, &serial, config.disk_dir.as_deref()).map_err(
+                |source| DeviceError::Disk {
+                    serial: serial.clone(),
+                    source,
+                },
+            )?;
+            let block = Block::new(disk, &serial).map_err(|source| DeviceError::Block {
+                serial: serial.clone(),
+                source,
+            })?;
+            let res = allocator.allocate()?;
+            manager.add_virtio(
+                wiring,
+                res,
+                Concrete::Block(Arc::new(Mutex::new(block))),
+                None,
+            )?;
+        }
         Ok(manager)
     }
 
@@ -254,6 +300,7 @@ impl DeviceManager {
         targets: &RestoreTargets,
     ) -> Result<Self, DeviceError> {
         let mut manager = Self::legacy(wiring, console_out, Some(&state.serial), probe)?;
+        manager.disk_dir = targets.disk_dir.clone();
         let mut allocator = ResourceAllocator::new();
         for saved in &state.virtio {
             allocator.claim(&saved.resources)?;
@@ -268,6 +315,22 @@ impl DeviceManager {
                         cid,
                         targets.vsock_path.as_deref(),
                     )?)))
+                }
+                VirtioKindState::Block(s) => {
+                    let serial = s.serial.clone();
+                    let disk = disks::open_for_restore(
+                        s,
+                        targets.snapshot_dir.as_deref(),
+                        targets.disk_dir.as_deref(),
+                    )
+                    .map_err(|source| DeviceError::Disk {
+                        serial: serial.clone(),
+                        source,
+                    })?;
+                    Concrete::Block(Arc::new(Mutex::new(
+                        Block::restore(disk, s)
+                            .map_err(|source| DeviceError::Block { serial, source })?,
+                    )))
                 }
                 #[allow(unreachable_patterns)]
                 _ => {
@@ -335,6 +398,7 @@ impl DeviceManager {
             ged,
             console_gate: Arc::new(Gate::default()),
             virtio: Vec::new(),
+            disk_dir: None,
         })
     }
 
@@ -349,6 +413,7 @@ impl DeviceManager {
         let (device, name): (Arc<Mutex<dyn VirtioDevice>>, &str) = match &concrete {
             Concrete::Rng(d) => (d.clone(), "virtio-rng"),
             Concrete::Vsock(d) => (d.clone(), "virtio-vsock"),
+            Concrete::Block(d) => (d.clone(), "virtio-blk"),
         };
         let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(DeviceError::EventFd)?;
         wiring
@@ -384,6 +449,7 @@ impl DeviceManager {
         let device: Arc<Mutex<dyn MutEventSubscriber + Send>> = match &concrete {
             Concrete::Rng(d) => d.clone(),
             Concrete::Vsock(d) => d.clone(),
+            Concrete::Block(d) => d.clone(),
         };
         let stack = crate::HELPER_THREAD_STACK;
         let thread = match saved {
@@ -398,6 +464,13 @@ impl DeviceManager {
                 Summary::Vsock {
                     path: d.path().map(PathBuf::from),
                     cid: d.guest_cid(),
+                }
+            }
+            Concrete::Block(d) => {
+                let d = lock(d);
+                Summary::Block {
+                    serial: d.save().serial,
+                    read_only: d.disk().is_read_only(),
                 }
             }
         };
@@ -464,10 +537,50 @@ impl DeviceManager {
                     device: match &slot.concrete {
                         Concrete::Rng(d) => VirtioKindState::Rng(lock(d).save()),
                         Concrete::Vsock(d) => VirtioKindState::Vsock(lock(d).save()),
+                        Concrete::Block(d) => VirtioKindState::Block(lock(d).save()),
                     },
                 })
                 .collect(),
         }
+    }
+
+    /// Freeze every writable disk (the devices must be paused): its top layer becomes part of
+    /// a frozen chain that a snapshot links and clones stack on, and the VM goes on on a new
+    /// empty top in its disk directory. Metadata only.
+    pub fn freeze_disks(&self) -> Result<(), DeviceError> {
+        for slot in &self.virtio {
+            let (Concrete::Block(d), Summary::Block { serial, read_only }) =
+                (&slot.concrete, &slot.summary)
+            else {
+                continue;
+            };
+            if *read_only {
+                continue;
+            }
+            let disk_error = |source| DeviceError::Disk {
+                serial: serial.clone(),
+                source,
+            };
+            let dir = self
+                .disk_dir
+                .as_deref()
+                .ok_or(disk_error(DiskSetupError::NoDiskDir))?;
+            disks::freeze(lock(d).disk_mut(), serial, dir).map_err(disk_error)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the VM has a writable disk (a fork then needs its clones' disk directories).
+    pub fn has_writable_disks(&self) -> bool {
+        self.virtio.iter().any(|s| {
+            matches!(
+                s.summary,
+                Summary::Block {
+                    read_only: false,
+                    ..
+                }
+            )
+        })
     }
 
     /// The vsock device's host socket and guest CID, if the VM has one.
@@ -492,6 +605,12 @@ impl DeviceManager {
                         ),
                         None => format!("vsock cid {cid} (BUSY: its thread holds it, stuck?)"),
                     },
+                    (Concrete::Block(d), Summary::Block { serial, .. }) => {
+                        match try_lock_briefly(d) {
+                            Some(d) => format!("block {serial} ({:?})", d.counters()),
+                            None => format!("block {serial} (BUSY: its thread holds it, stuck?)"),
+                        }
+                    }
                     _ => "rng".to_string(),
                 };
                 let transport = match try_lock_briefly(&slot.transport) {

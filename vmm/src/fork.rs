@@ -121,6 +121,9 @@ pub struct CloneInfo {
     pub vsock: PathBuf,
     /// Its vsock CID, its own.
     pub vsock_cid: u64,
+    /// Where its writable disks keep their own layers (on the parent's frozen chain).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_dir: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -226,19 +229,28 @@ fn mkfifo(path: &Path) -> std::io::Result<()> {
 /// A clone's files beside its parent's socket, claimed for it: created new (never following
 /// a symlink, never replacing anything), or `None` if something by that name exists already
 /// (a live clone of an earlier fork, or of the VM this one was restored from).
-fn claim_clone_files(dir: &Path, name: &str) -> Result<Option<(CloneInfo, File)>, ForkError> {
+fn claim_clone_files(
+    dir: &Path,
+    name: &str,
+    disks: bool,
+) -> Result<Option<(CloneInfo, File)>, ForkError> {
     let info = CloneInfo {
         api_sock: dir.join(format!("{name}.sock")),
         console_log: dir.join(format!("{name}.log")),
         console_input: dir.join(format!("{name}.in")),
         vsock: dir.join(format!("{name}.vsock")),
         vsock_cid: 0,
+        disk_dir: disks.then(|| dir.join(format!("{name}.disks"))),
         name: name.to_string(),
         index: 0,
         pid: 0,
     };
     let exists = |p: &Path| std::fs::symlink_metadata(p).is_ok();
-    if exists(&info.api_sock) || exists(&info.console_input) || exists(&info.vsock) {
+    if exists(&info.api_sock)
+        || exists(&info.console_input)
+        || exists(&info.vsock)
+        || info.disk_dir.as_deref().is_some_and(exists)
+    {
         return Ok(None);
     }
     // The log is the claim: O_CREAT | O_EXCL fails on anything that exists, symlinks included.
@@ -251,7 +263,20 @@ fn claim_clone_files(dir: &Path, name: &str) -> Result<Option<(CloneInfo, File)>
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(None),
         Err(e) => return Err(io(format!("create {}", info.console_log.display()))(e)),
     };
-    match mkfifo(&info.console_input) {
+    let claimed = mkfifo(&info.console_input).and_then(|()| match &info.disk_dir {
+        // Made here, not by the clone: the name is claimed only once all of it is.
+        Some(disks) => {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(disks)
+                .inspect_err(|_| {
+                    let _ = std::fs::remove_file(&info.console_input);
+                })
+        }
+        None => Ok(()),
+    });
+    match claimed {
         Ok(()) => Ok(Some((info, log))),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
             let _ = std::fs::remove_file(&info.console_log);
@@ -340,6 +365,11 @@ fn spawn_clone(
         .arg(&info.console_log)
         .arg("--console-input")
         .arg(&info.console_input)
+        .args(
+            info.disk_dir
+                .iter()
+                .flat_map(|d| [std::ffi::OsStr::new("--disk-dir"), d.as_os_str()]),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log)
@@ -462,6 +492,12 @@ fn fork_paused(
     start: Instant,
     pause_ms: f64,
 ) -> Result<ForkReport, ForkError> {
+    // Writable disks freeze first: the clones stack their own layers on the frozen chain, the
+    // parent goes on on a new top of its own (metadata only, whatever the disks hold).
+    vm.devices
+        .freeze_disks()
+        .map_err(SnapshotCreateError::from)?;
+    let disks = vm.devices.has_writable_disks();
     let state = snapshot::capture_state(vm)?;
     let state_file = sealed_memfd(&mayfly_snapshot::file::encode(
         &snapshot::header(vm),
@@ -502,7 +538,7 @@ fn fork_paused(
         let name = format!("{prefix}{index}");
         crate::identity::check_name(&name)?;
         // A name in use (by a live clone of an earlier fork) is skipped, not reused.
-        let Some((info, log)) = claim_clone_files(dir, &name)? else {
+        let Some((info, log)) = claim_clone_files(dir, &name, disks)? else {
             skipped += 1;
             continue;
         };

@@ -21,6 +21,7 @@ pub mod console;
 pub mod controller;
 pub mod device_manager;
 pub mod diagnostics;
+pub mod disks;
 pub mod event;
 pub mod fork;
 pub mod identity;
@@ -63,4 +64,6 @@ pub enum Error {
     Signals(std::io::Error),
     #[error(transparent)]
     Identity(#[from] identity::IdentityError),
+    #[error(transparent)]
+    Disk(disks::DiskSetupError),
 }

@@ -9,6 +9,7 @@ use mayfly_vmm::config::{self, RunConfig, DEFAULT_CMDLINE, DEFAULT_MEM_MIB};
 use mayfly_vmm::console::{Console, RawTerminal};
 use mayfly_vmm::controller::Controller;
 use mayfly_vmm::device_manager::{self, DevicesConfig, RestoreTargets, VsockConfig};
+use mayfly_vmm::disks::DiskSpec;
 use mayfly_vmm::event::{VmEvent, VmExit};
 use mayfly_vmm::kernel::Image;
 use mayfly_vmm::restore::{self, MemoryMode, RestoreConfig, SnapshotSource};
@@ -163,6 +164,21 @@ struct RestoreArgs {
     /// Set by a fork: the clone's own vsock CID.
     #[arg(long, value_name = "CID", hide = true)]
     vsock_cid: Option<u64>,
+    /// Where the restored VM's writable disks put their own layers (see `mayfly run
+    /// --disk-dir`). Default: `<api-sock>.disks` when there is a control socket.
+    #[arg(long, value_name = "DIR")]
+    disk_dir: Option<PathBuf>,
+}
+
+/// The disk directory: as given, or beside the control socket.
+fn disk_dir(explicit: Option<PathBuf>, api_sock: Option<&Path>) -> Option<PathBuf> {
+    explicit.or_else(|| {
+        api_sock.map(|sock| {
+            let mut path = sock.as_os_str().to_owned();
+            path.push(".disks");
+            PathBuf::from(path)
+        })
+    })
 }
 
 /// The vsock socket: as given, or beside the control socket.
@@ -220,6 +236,20 @@ struct RunArgs {
     /// The guest's vsock CID.
     #[arg(long, value_name = "CID", default_value_t = device_manager::DEFAULT_GUEST_CID)]
     vsock_cid: u64,
+    /// Boot from a disk: `debian` (the image `rootfs/build.sh debian` builds) or the path of an
+    /// ext4 image. It becomes /dev/vda, the root file system, writable through the VM's own
+    /// copy-on-write layer (the image itself is never written); the initramfs is not used.
+    #[arg(long, value_name = "debian|PATH")]
+    rootfs: Option<String>,
+    /// Attach a disk: PATH of a raw image, writable through the VM's own layer, or PATH,ro.
+    /// Repeat for more (vdb, vdc, ... after the root file system's vda).
+    #[arg(long = "disk", value_name = "PATH[,ro]")]
+    disks: Vec<String>,
+    /// Where the VM's writable disks keep their own layers and manifests. Default:
+    /// `<api-sock>.disks` when there is a control socket. Started again with the same
+    /// directory (after a crash, say), the disks carry on on the same layers.
+    #[arg(long, value_name = "DIR")]
+    disk_dir: Option<PathBuf>,
 }
 
 impl RunArgs {
@@ -228,7 +258,30 @@ impl RunArgs {
         let vcpus = config::check_vcpus(self.vcpus)?;
         let host_mib = config::host_mem_mib().unwrap_or(u64::MAX);
         let mem_mib = config::check_mem(self.mem_mib, host_mib)?;
-        let builtin = self.kernel.is_none() && self.initrd.is_none();
+        let mut disks = Vec::new();
+        if let Some(rootfs) = &self.rootfs {
+            disks.push(DiskSpec {
+                path: mayfly_vmm::disks::rootfs_image(rootfs).map_err(Error::Disk)?,
+                read_only: false,
+            });
+        }
+        for spec in &self.disks {
+            disks.push(spec.parse::<DiskSpec>().map_err(Error::Disk)?);
+        }
+        if disks.len() > mayfly_vmm::disks::MAX_DISKS {
+            return Err(Error::Disk(mayfly_vmm::disks::DiskSetupError::TooManyDisks));
+        }
+        let disk_dir = disk_dir(self.disk_dir, self.api_sock.as_deref());
+        if disk_dir.is_none() && disks.iter().any(|d| !d.read_only) {
+            return Err(Error::Disk(mayfly_vmm::disks::DiskSetupError::NoDiskDir));
+        }
+        let mut cmdline = self.cmdline;
+        if self.rootfs.is_some() && !cmdline.split_whitespace().any(|w| w.starts_with("root=")) {
+            cmdline.push(' ');
+            cmdline.push_str(mayfly_vmm::disks::ROOT_CMDLINE);
+        }
+        // A disk root replaces the built-in initramfs (the built-in kernel stays).
+        let builtin = self.kernel.is_none() && self.initrd.is_none() && self.rootfs.is_none();
         let kernel = match self.kernel {
             Some(path) => Image::File(path),
             None => Image::Embedded {
@@ -252,7 +305,7 @@ impl RunArgs {
         Ok(RunConfig {
             kernel,
             initrd,
-            cmdline: self.cmdline,
+            cmdline,
             mem_mib,
             vcpus,
             console: self.console,
@@ -265,6 +318,8 @@ impl RunArgs {
                     guest_cid: self.vsock_cid,
                     path: vsock_path(self.vsock, self.api_sock.as_deref()),
                 }),
+                disks,
+                disk_dir,
             },
             api_sock: self.api_sock,
             name: match self.name {
@@ -397,6 +452,8 @@ fn restore(args: RestoreArgs, started: Started) -> ExitCode {
         devices: RestoreTargets {
             vsock_path: vsock_path(args.vsock, args.api_sock.as_deref()),
             vsock_cid: args.vsock_cid,
+            snapshot_dir: args.dir.clone(),
+            disk_dir: disk_dir(args.disk_dir, args.api_sock.as_deref()),
         },
     };
     let console = config.console.clone();

@@ -344,6 +344,16 @@ pub fn restore(config: RestoreConfig) -> Result<Controller, RestoreError> {
     // A memory file that changes under a copy-on-write VM changes the guest's memory: lease
     // or seal it, so that the VM stops first (see GuestRam::protect_backing).
     let memory_protection = ram.protect_backing();
+    if memory_protection == crate::memory::BackingProtection::Unprotected {
+        // Said once, so that a user who sees the guest misbehave knows the file is not
+        // guarded: only a memory file that got shorter is then caught.
+        eprintln!(
+            "mayfly: warning: {} cannot be leased (not owned by this user, open for writing \
+             elsewhere, or a file system without leases): the VM's memory is not protected \
+             against that file changing; do not write it while the VM runs",
+            snapshot.memory_path
+        );
+    }
     let (event_sender, events) = channel();
     // Serve lazy memory before anything touches it: restoring vCPUs makes KVM write into
     // guest RAM (kvmclock pages), and a page written before the handler runs would never be

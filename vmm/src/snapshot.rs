@@ -1,7 +1,9 @@
 //! The snapshot path: from a paused VM to a snapshot directory on disk.
 //!
-//! 1. Read the state of every vCPU (on its own thread), of the VM (interrupt controllers, PIT,
-//!    clock) and of the devices.
+//! 1. Freeze every writable disk's top layer (the VM goes on on a new one) and read the state
+//!    of every vCPU (on its own thread), of the VM (interrupt controllers, PIT, clock) and of
+//!    the devices; hard-link the disks' frozen layers into the snapshot's `disks/` (see
+//!    [`crate::disks`]): metadata only, whatever they hold.
 //! 2. Write guest RAM sparse: a page is written only if it holds something other than zeros.
 //!    Pages this process has mapped are read from the mapping; the others from the file behind
 //!    guest RAM (see [`GuestRam::backing`]), so pages the guest never touched cost nothing.
@@ -18,7 +20,10 @@ use std::time::Instant;
 
 use mayfly_snapshot::{Header, MemoryRange, VmState, MEMORY_FILE, STATE_FILE};
 
+use mayfly_devices::persist::VirtioKindState;
+
 use crate::arch::kvm_state::{self, StateError};
+use crate::disks::SNAPSHOT_DISKS;
 use crate::machine::Machine;
 use crate::memory::RamKind;
 
@@ -47,6 +52,10 @@ pub enum SnapshotCreateError {
     },
     #[error(transparent)]
     Format(#[from] mayfly_snapshot::SnapshotError),
+    #[error(transparent)]
+    Devices(#[from] crate::device_manager::DeviceError),
+    #[error(transparent)]
+    Disk(#[from] crate::disks::DiskSetupError),
 }
 
 impl SnapshotCreateError {
@@ -186,11 +195,16 @@ fn remove_dead_leftovers(parent: &Path) {
         if !meta.is_dir() {
             continue;
         }
+        // Not an empty one: a snapshot that has just made its directory has not locked it yet.
         let only_snapshot_files = std::fs::read_dir(&path).is_ok_and(|inner| {
-            inner.flatten().all(|e| {
-                (e.file_name() == STATE_FILE || e.file_name() == MEMORY_FILE)
-                    && e.file_type().is_ok_and(|t| t.is_file())
-            })
+            let entries: Vec<_> = inner.flatten().collect();
+            !entries.is_empty()
+                && entries.iter().all(|e| {
+                    ((e.file_name() == STATE_FILE || e.file_name() == MEMORY_FILE)
+                        && e.file_type().is_ok_and(|t| t.is_file()))
+                        || (e.file_name() == SNAPSHOT_DISKS
+                            && e.file_type().is_ok_and(|t| t.is_dir()))
+                })
         });
         if !only_snapshot_files {
             continue;
@@ -222,7 +236,9 @@ fn check_replaceable(dest: &Path) -> Result<(), SnapshotCreateError> {
     };
     for entry in entries {
         let entry = entry.map_err(io_err(dest))?;
-        if entry.file_name() != STATE_FILE && entry.file_name() != MEMORY_FILE {
+        let disks =
+            entry.file_name() == SNAPSHOT_DISKS && entry.file_type().is_ok_and(|t| t.is_dir());
+        if entry.file_name() != STATE_FILE && entry.file_name() != MEMORY_FILE && !disks {
             return Err(SnapshotCreateError::NotASnapshotDir {
                 path: dest.to_path_buf(),
             });
@@ -294,7 +310,11 @@ fn write_snapshot(
     dir: &Path,
     start: Instant,
 ) -> Result<SnapshotReport, SnapshotCreateError> {
+    // The disks first: each writable one's top layer is frozen (the VM goes on on a new one)
+    // and the frozen chain linked into the snapshot, in time independent of its size.
+    vm.devices.freeze_disks()?;
     let mut state = capture_state(vm)?;
+    link_disks(&mut state, dir)?;
     let state_ms = start.elapsed().as_secs_f64() * 1e3;
 
     let memory_path = dir.join(MEMORY_FILE);
@@ -329,6 +349,25 @@ fn write_snapshot(
         memory_ms,
         total_ms: 0.0,
     })
+}
+
+/// Link every block device's layers into the snapshot being written in `dir` (see
+/// [`crate::disks::link_into_snapshot`]) and make the links durable.
+fn link_disks(state: &mut VmState, dir: &Path) -> Result<(), SnapshotCreateError> {
+    let mut linked = false;
+    for device in &mut state.devices.virtio {
+        if let VirtioKindState::Block(block) = &mut device.device {
+            crate::disks::link_into_snapshot(block, dir)?;
+            linked |= !block.chain.layers.is_empty();
+        }
+    }
+    if linked {
+        let disks = dir.join(SNAPSHOT_DISKS);
+        File::open(&disks)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err(&disks))?;
+    }
+    Ok(())
 }
 
 /// Put the finished temporary directory in place of `dest`, atomically.

@@ -142,7 +142,7 @@ pub enum DiskError {
 }
 
 /// The files of a disk: the base image and the layers on it, bottom to top.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Chain {
     pub base: PathBuf,
     /// The base image's identity (its content hash); every layer records it.
@@ -397,6 +397,21 @@ impl Disk {
             base_identity: self.base_identity.clone(),
             layers: self.layers.iter().map(|l| l.path().to_path_buf()).collect(),
         }
+    }
+
+    /// The files a snapshot or fork records: the chain without a writable top that holds
+    /// nothing yet (after [`Disk::freeze`], the frozen chain a restore stacks its own top on).
+    /// A top with data stays in: a restore then refuses it as not frozen, rather than lose it.
+    pub fn saved_chain(&self) -> Chain {
+        let mut chain = self.chain();
+        if self
+            .layers
+            .last()
+            .is_some_and(|top| top.writable && top.map.used() == 0)
+        {
+            chain.layers.pop();
+        }
+        chain
     }
 
     /// The layers' headers, bottom to top.

@@ -53,12 +53,21 @@ const STOP_CHECK: Duration = Duration::from_millis(50);
 /// State the server threads share with their [`ApiServer`].
 struct Shared {
     stopping: AtomicBool,
-    /// The connections being served (by an id), so that stopping can cut them short.
-    current: Mutex<std::collections::HashMap<u64, UnixStream>>,
+    /// The connections being served (by an id), so that stopping can cut them short, and a
+    /// new client at capacity can take the place of the slowest sender.
+    current: Mutex<std::collections::HashMap<u64, Connection>>,
     /// Connection threads running; the last one out notifies `idle`.
     active: Mutex<usize>,
     idle: std::sync::Condvar,
     services: Services,
+}
+
+/// A connection as the server keeps track of it.
+struct Connection {
+    stream: UnixStream,
+    accepted: Instant,
+    /// Still sending its request: it holds a slot without having asked for anything yet.
+    reading: bool,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -170,7 +179,7 @@ impl ApiServer {
             self.shared.stopping.store(true, Ordering::SeqCst);
             // Wakes reads from slow clients; the answers (503) can still be written.
             for conn in current.values() {
-                let _ = conn.shutdown(std::net::Shutdown::Read);
+                let _ = conn.stream.shutdown(std::net::Shutdown::Read);
             }
         }
         drop(self.wake.take());
@@ -371,8 +380,15 @@ fn spawn_connection<E: Send + 'static>(
         let mut active = lock(&shared.active);
         if *active >= MAX_CONNECTIONS {
             drop(active);
-            busy(stream);
-            return;
+            // Full: the client that has been sending its request longest gives up its place
+            // (its connection is cut; a well-behaved client sends a request in one go).
+            // Slow senders thus never keep a well-formed request from being answered; only
+            // MAX_CONNECTIONS requests actually being served (long execs, say) do.
+            if !evict_slowest_sender(shared) {
+                busy(stream);
+                return;
+            }
+            active = lock(&shared.active);
         }
         *active += 1;
     }
@@ -391,6 +407,24 @@ fn spawn_connection<E: Send + 'static>(
         });
     if spawned.is_err() {
         *lock(&shared.active) -= 1;
+    }
+}
+
+/// Cut the connection that has been sending its request the longest; false if every
+/// connection has sent its request already.
+fn evict_slowest_sender(shared: &Shared) -> bool {
+    let mut current = lock(&shared.current);
+    let slowest = current
+        .iter()
+        .filter(|(_, c)| c.reading)
+        .min_by_key(|(_, c)| c.accepted)
+        .map(|(id, _)| *id);
+    match slowest.and_then(|id| current.remove(&id)) {
+        Some(connection) => {
+            let _ = connection.stream.shutdown(std::net::Shutdown::Both);
+            true
+        }
+        None => false,
     }
 }
 
@@ -461,14 +495,23 @@ fn serve_connection<E>(
     }
     static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    let tracked;
     {
         let mut current = lock(&shared.current);
         if shared.stopping.load(Ordering::SeqCst) {
             return;
         }
-        if let Ok(clone) = stream.try_clone() {
-            current.insert(id, clone);
-        }
+        tracked = stream.try_clone().is_ok_and(|clone| {
+            current.insert(
+                id,
+                Connection {
+                    stream: clone,
+                    accepted: Instant::now(),
+                    reading: true,
+                },
+            );
+            true
+        });
     }
     let read = http::read_request(
         &stream,
@@ -476,6 +519,12 @@ fn serve_connection<E>(
         timeouts.request,
         guest::streams_body,
     );
+    match lock(&shared.current).get_mut(&id) {
+        Some(connection) => connection.reading = false,
+        // Evicted while it was still sending: nothing to answer on a cut connection.
+        None if tracked => return,
+        None => {}
+    }
     let answer = match read {
         Err(Refusal::Silent) => None,
         // Stopping cut the read short.

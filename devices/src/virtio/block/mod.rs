@@ -3,8 +3,9 @@
 //! carried out synchronously, straight between the disk files and guest memory.
 //!
 //! Supported: IN, OUT, FLUSH, GET_ID, DISCARD and WRITE_ZEROES; features VERSION_1, FLUSH,
-//! BLK_SIZE (4096: the guest's logical block size, so its filesystem must use 4 KiB blocks or
-//! larger), SEG_MAX/SIZE_MAX, RO for a read-only disk, DISCARD and WRITE_ZEROES for a writable
+//! BLK_SIZE (512-byte logical blocks, so any file system's block size works) with TOPOLOGY
+//! (4 KiB physical blocks, the layers' block: the guest aligns its I/O to them and only odd
+//! requests need the layer's read-modify-write), SEG_MAX/SIZE_MAX, RO for a read-only disk, DISCARD and WRITE_ZEROES for a writable
 //! one, INDIRECT_DESC and EVENT_IDX.
 //!
 //! Batching: while the device drains the queue it asks the driver not to notify it (used-ring
@@ -29,7 +30,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{drain, ActivateError, GuestMemory, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
-use crate::disk::{Disk, DiskError, DiskIdentity, LayerInfo};
+use crate::disk::{Chain, Disk, DiskError, DiskIdentity, LayerInfo};
 use request::Engine;
 
 /// `VIRTIO_ID_BLOCK`.
@@ -37,8 +38,10 @@ pub const VIRTIO_ID_BLOCK: u32 = 2;
 pub const QUEUE_SIZE: u16 = 256;
 /// Bytes of a sector, the unit of request offsets and the capacity.
 pub const SECTOR_SIZE: u64 = 512;
-/// The guest's logical block size.
-pub const BLK_SIZE: u32 = 4096;
+/// The guest's logical block size: a sector, so file systems with 1 KiB blocks mount too.
+pub const BLK_SIZE: u32 = 512;
+/// The physical block size the guest is told to align to: the layers' block (4 KiB).
+pub const PHYSICAL_BLOCK_SIZE: u32 = 4096;
 /// Bytes of the device ID string GET_ID returns (`VIRTIO_BLK_ID_BYTES`).
 pub const SERIAL_LEN: usize = 20;
 /// Data segments per request the driver may use, and the largest segment.
@@ -52,7 +55,7 @@ pub const MAX_DISCARD_SECTORS: u32 = 1 << 22;
 pub const MAX_WRITE_ZEROES_SECTORS: u32 = 1 << 22;
 pub const MAX_DISCARD_SEG: u32 = 16;
 /// Discard ranges are aligned to blocks (in sectors).
-const DISCARD_SECTOR_ALIGNMENT: u32 = BLK_SIZE / SECTOR_SIZE as u32;
+const DISCARD_SECTOR_ALIGNMENT: u32 = PHYSICAL_BLOCK_SIZE / SECTOR_SIZE as u32;
 /// Descriptors of one request taken into account; a longer chain is an error (the largest
 /// legal request has SEG_MAX data descriptors, plus header and status).
 const MAX_DESCS: usize = QUEUE_SIZE as usize + 2;
@@ -66,6 +69,7 @@ const VIRTIO_BLK_F_SEG_MAX: u32 = 2;
 const VIRTIO_BLK_F_RO: u32 = 5;
 const VIRTIO_BLK_F_BLK_SIZE: u32 = 6;
 const VIRTIO_BLK_F_FLUSH: u32 = 9;
+const VIRTIO_BLK_F_TOPOLOGY: u32 = 10;
 const VIRTIO_BLK_F_DISCARD: u32 = 13;
 const VIRTIO_BLK_F_WRITE_ZEROES: u32 = 14;
 const VIRTIO_RING_F_INDIRECT_DESC: u32 = 28;
@@ -96,6 +100,9 @@ pub struct BlockState {
     pub read_only: bool,
     /// The disk's content when the state was saved (freeze first, so it stays that way).
     pub disk: DiskIdentity,
+    /// The files it was read from ([`Disk::saved_chain`]): full paths as saved; a snapshot
+    /// writer renames the layers to the copies (links) it keeps, relative to itself.
+    pub chain: Chain,
 }
 
 /// Why a block device could not be made.
@@ -177,6 +184,7 @@ impl Block {
             | 1 << VIRTIO_BLK_F_SIZE_MAX
             | 1 << VIRTIO_BLK_F_SEG_MAX
             | 1 << VIRTIO_BLK_F_BLK_SIZE
+            | 1 << VIRTIO_BLK_F_TOPOLOGY
             | 1 << VIRTIO_BLK_F_FLUSH
             | 1 << VIRTIO_RING_F_INDIRECT_DESC
             | 1 << VIRTIO_RING_F_EVENT_IDX;
@@ -203,6 +211,7 @@ impl Block {
             serial: String::from_utf8_lossy(&serial[..len]).into_owned(),
             read_only: self.engine.disk.is_read_only(),
             disk: self.engine.disk.identity(),
+            chain: self.engine.disk.saved_chain(),
         }
     }
 
@@ -304,8 +313,14 @@ fn config_space(size: u64) -> [u8; CONFIG_LEN] {
     put(0, &(size / SECTOR_SIZE).to_le_bytes()); // capacity
     put(8, &SIZE_MAX.to_le_bytes());
     put(12, &SEG_MAX.to_le_bytes());
-    // 16: geometry (unused), 24: topology (not offered), 32: writeback (not offered).
+    // 16: geometry (unused), 32: writeback (not offered).
     put(20, &BLK_SIZE.to_le_bytes());
+    // Topology: physical blocks of 2^3 logical ones, no offset, minimum and optimal I/O of
+    // one physical block (in logical blocks).
+    let per_physical = PHYSICAL_BLOCK_SIZE / BLK_SIZE;
+    put(24, &[per_physical.trailing_zeros() as u8, 0]);
+    put(26, &(per_physical as u16).to_le_bytes());
+    put(28, &per_physical.to_le_bytes());
     put(34, &1u16.to_le_bytes()); // num_queues
     put(36, &MAX_DISCARD_SECTORS.to_le_bytes());
     put(40, &MAX_DISCARD_SEG.to_le_bytes());

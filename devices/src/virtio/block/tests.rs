@@ -260,6 +260,7 @@ fn features_and_config_space_describe_the_disk() {
     for bit in [
         VIRTIO_BLK_F_FLUSH,
         VIRTIO_BLK_F_BLK_SIZE,
+        VIRTIO_BLK_F_TOPOLOGY,
         VIRTIO_BLK_F_SEG_MAX,
         VIRTIO_BLK_F_SIZE_MAX,
         VIRTIO_BLK_F_DISCARD,
@@ -278,7 +279,10 @@ fn features_and_config_space_describe_the_disk() {
     assert_eq!(u64::from_le_bytes(cap), (DISK_BLOCKS * BS / 512) as u64);
     let mut word = [0u8; 4];
     rig.block.read_config(20, &mut word);
-    assert_eq!(u32::from_le_bytes(word), 4096);
+    assert_eq!(u32::from_le_bytes(word), 512, "logical block: a sector");
+    let mut topology = [0u8; 8];
+    rig.block.read_config(24, &mut topology);
+    assert_eq!(topology, [3, 0, 8, 0, 8, 0, 0, 0], "4 KiB physical blocks");
     rig.block.read_config(12, &mut word);
     assert_eq!(u32::from_le_bytes(word), SEG_MAX);
     rig.block.read_config(44, &mut word);
