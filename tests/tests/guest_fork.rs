@@ -70,7 +70,8 @@ fn clones_carry_on_from_the_fork_apart_from_each_other_and_the_parent() {
     wait_agent(psock, BOOT_TIMEOUT);
     sh(
         psock,
-        "(i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) </dev/null >/dev/null 2>&1 &",
+        // Written aside and renamed: a reader never sees the file truncated and not yet written.
+        "(i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv -f /tmp/count.new /tmp/count; sleep 0.2; done) </dev/null >/dev/null 2>&1 &",
     );
     sh(psock, "echo from-before-the-fork > /tmp/shared");
     let before = count(psock);

@@ -29,7 +29,8 @@ fn boot_busy(dir: &TestDir) -> Busy {
     wait_agent(api, BOOT_TIMEOUT);
     sh(
         api,
-        "(i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) </dev/null >/dev/null 2>&1 &",
+        // Written aside and renamed: a reader never sees the file truncated and not yet written.
+        "(i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv -f /tmp/count.new /tmp/count; sleep 0.2; done) </dev/null >/dev/null 2>&1 &",
     );
     sh(api, "seq 1 200000 > /tmp/data");
     let data_md5 = sh(api, "md5sum /tmp/data | cut -d' ' -f1");

@@ -412,9 +412,17 @@ pub fn open_for_restore(
     dir: Option<&Path>,
 ) -> Result<Disk, DiskSetupError> {
     let mut chain = state.chain.clone();
+    // Full paths from here on: a fork of this VM hands them to clones, the manifest keeps
+    // them, and neither may depend on the directory this VMM was started in.
+    let snapshot_dir = snapshot_dir
+        .map(std::path::absolute)
+        .transpose()
+        .map_err(io("resolve the snapshot directory"))?;
     for layer in &mut chain.layers {
         if layer.is_relative() {
-            let snapshot = snapshot_dir.ok_or(DiskSetupError::NoSnapshotDir)?;
+            let snapshot = snapshot_dir
+                .as_deref()
+                .ok_or(DiskSetupError::NoSnapshotDir)?;
             *layer = snapshot_layer(snapshot, layer)?;
         }
     }

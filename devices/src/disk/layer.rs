@@ -8,6 +8,7 @@ use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -249,9 +250,12 @@ fn encode_header(info: &LayerInfo, geo: &Geometry) -> Vec<u8> {
 
 /// Open `path` as a regular file (a directory, device or socket is refused).
 pub(crate) fn open_regular(path: &Path, writable: bool) -> Result<File, DiskError> {
+    // O_NONBLOCK: a FIFO (or a device) named as a disk must not block the open; it is refused
+    // below. On a regular file the flag changes nothing.
     let file = OpenOptions::new()
         .read(true)
         .write(writable)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
         .map_err(|source| {
             // Opening a directory for writing fails with EISDIR: the clearer error is ours.
@@ -483,27 +487,43 @@ impl BlockMap {
         self.dirty.iter().any(|&w| w != 0)
     }
 
-    /// Check what was read from a file and count the blocks in use.
+    /// Check what was read from a file and count the blocks in use. Eight map bytes (32
+    /// blocks) at a time: a clone opens its whole chain's maps, so this is on the fork path.
     fn check(&mut self) -> Result<(), String> {
+        const LOW: u64 = 0x5555_5555_5555_5555;
         let mut used = 0u64;
-        for (i, &byte) in self.bits.iter().enumerate() {
-            for slot in 0..4u64 {
-                let value = (byte >> (slot * 2)) & 3;
-                if value == 0 {
-                    continue;
-                }
-                let block = i as u64 * 4 + slot;
-                if value == 3 {
+        let mut chunks = self.bits.chunks_exact(8);
+        let mut first_block = 0u64;
+        for chunk in &mut chunks {
+            let word = u64::from_le_bytes(chunk.try_into().expect("chunks of 8"));
+            if word != 0 {
+                // A 2-bit entry of 3 has both bits set.
+                let invalid = word & (word >> 1) & LOW;
+                if invalid != 0 {
+                    let block = first_block + u64::from(invalid.trailing_zeros() / 2);
                     return Err(format!("block {block} has an invalid map entry"));
                 }
-                if block >= self.blocks {
-                    return Err(format!(
-                        "map entries past the disk's {} blocks",
-                        self.blocks
-                    ));
-                }
-                used += 1;
+                used += u64::from(((word | (word >> 1)) & LOW).count_ones());
             }
+            first_block += 32;
+        }
+        for (i, &byte) in chunks.remainder().iter().enumerate() {
+            for slot in 0..4u64 {
+                let value = (byte >> (slot * 2)) & 3;
+                if value == 3 {
+                    let block = first_block + i as u64 * 4 + slot;
+                    return Err(format!("block {block} has an invalid map entry"));
+                }
+                used += u64::from(value != 0);
+            }
+        }
+        // The map's last byte may hold entries past the disk's end: they must be empty.
+        let slots = self.bits.len() as u64 * 4;
+        if (self.blocks..slots).any(|block| self.get(block) != BlockState::Absent) {
+            return Err(format!(
+                "map entries past the disk's {} blocks",
+                self.blocks
+            ));
         }
         self.used = used;
         Ok(())
