@@ -298,6 +298,23 @@ fn a_snapshot_refuses_to_restore_over_a_changed_base_or_damaged_layers() {
     copy_snapshot(&snap, &copy);
     std::fs::remove_file(layers_in(&copy.join("disks")).remove(0)).unwrap();
     assert_contains(&restore(&copy), "vda");
+    // A layer of another chain (another VM's, on the same base) in place of the right one.
+    let (other, osock) = boot_with_disk(&dir, "o", &base.to_string_lossy());
+    assert_eq!(request(&osock, "PUT", "/vm/pause", None).0, 204);
+    let other_snap = dir.join("other-snap");
+    let (status, body) = request(
+        &osock,
+        "PUT",
+        "/vm/snapshot",
+        Some(serde_json::json!({ "path": other_snap })),
+    );
+    assert_eq!(status, 200, "{body}");
+    stop(other);
+    let copy = dir.join("snap-foreign");
+    copy_snapshot(&snap, &copy);
+    let ours = layers_in(&copy.join("disks")).remove(0);
+    std::fs::copy(layers_in(&other_snap.join("disks")).remove(0), &ours).unwrap();
+    assert_contains(&restore(&copy), "is not the one the snapshot saw");
     // The base changed since the snapshot.
     let mut data = std::fs::read(&base).unwrap();
     data[4096] ^= 0xff;

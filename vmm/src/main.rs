@@ -170,23 +170,17 @@ struct RestoreArgs {
     disk_dir: Option<PathBuf>,
 }
 
-/// The disk directory: as given, or beside the control socket.
-fn disk_dir(explicit: Option<PathBuf>, api_sock: Option<&Path>) -> Option<PathBuf> {
+/// A VM's file as given, or beside its control socket: `<api-sock><suffix>` (the vsock
+/// socket, `.vsock`; the disk directory, `.disks`).
+fn beside_socket(
+    explicit: Option<PathBuf>,
+    api_sock: Option<&Path>,
+    suffix: &str,
+) -> Option<PathBuf> {
     explicit.or_else(|| {
         api_sock.map(|sock| {
             let mut path = sock.as_os_str().to_owned();
-            path.push(".disks");
-            PathBuf::from(path)
-        })
-    })
-}
-
-/// The vsock socket: as given, or beside the control socket.
-fn vsock_path(explicit: Option<PathBuf>, api_sock: Option<&Path>) -> Option<PathBuf> {
-    explicit.or_else(|| {
-        api_sock.map(|sock| {
-            let mut path = sock.as_os_str().to_owned();
-            path.push(".vsock");
+            path.push(suffix);
             PathBuf::from(path)
         })
     })
@@ -271,7 +265,7 @@ impl RunArgs {
         if disks.len() > mayfly_vmm::disks::MAX_DISKS {
             return Err(Error::Disk(mayfly_vmm::disks::DiskSetupError::TooManyDisks));
         }
-        let disk_dir = disk_dir(self.disk_dir, self.api_sock.as_deref());
+        let disk_dir = beside_socket(self.disk_dir, self.api_sock.as_deref(), ".disks");
         if disk_dir.is_none() && disks.iter().any(|d| !d.read_only) {
             return Err(Error::Disk(mayfly_vmm::disks::DiskSetupError::NoDiskDir));
         }
@@ -316,7 +310,7 @@ impl RunArgs {
                 rng: true,
                 vsock: Some(VsockConfig {
                     guest_cid: self.vsock_cid,
-                    path: vsock_path(self.vsock, self.api_sock.as_deref()),
+                    path: beside_socket(self.vsock, self.api_sock.as_deref(), ".vsock"),
                 }),
                 disks,
                 disk_dir,
@@ -450,10 +444,10 @@ fn restore(args: RestoreArgs, started: Started) -> ExitCode {
         name: args.name,
         clone_of: args.clone_of.zip(args.clone_index),
         devices: RestoreTargets {
-            vsock_path: vsock_path(args.vsock, args.api_sock.as_deref()),
+            vsock_path: beside_socket(args.vsock, args.api_sock.as_deref(), ".vsock"),
             vsock_cid: args.vsock_cid,
             snapshot_dir: args.dir.clone(),
-            disk_dir: disk_dir(args.disk_dir, args.api_sock.as_deref()),
+            disk_dir: beside_socket(args.disk_dir, args.api_sock.as_deref(), ".disks"),
         },
     };
     let console = config.console.clone();
