@@ -78,12 +78,21 @@ build_debian() {
     command -v mke2fs >/dev/null || die "mke2fs is missing: apt-get install e2fsprogs"
     say "resolving the Debian package versions"
     local required resolved
-    required=$(apt-cache dumpavail | awk '/^Package:/{p=$2} /^Priority: required/{print p}' | sort -u)
-    # shellcheck disable=SC2086
-    resolved=$(apt-get -s -q -o Dir::State::status=/dev/null -o APT::Install-Recommends=false \
-        install $required apt "${DEBIAN_PACKAGES[@]}" 2>&1 | sed -n 's/^Inst \([^ ]*\) (\([^ ]*\) .*/\1 \2/p' | LC_ALL=C sort) \
-        || die "apt cannot resolve ${DEBIAN_PACKAGES[*]}: run apt-get update, then this again"
-    [ -n "$resolved" ] || die "apt resolved no packages for the image: run apt-get update, then this again"
+    resolve() {
+        required=$(apt-cache dumpavail | awk '/^Package:/{p=$2} /^Priority: required/{print p}' | sort -u)
+        # shellcheck disable=SC2086
+        resolved=$(apt-get -s -q -o Dir::State::status=/dev/null -o APT::Install-Recommends=false \
+            install $required apt "${DEBIAN_PACKAGES[@]}" 2>/dev/null \
+            | sed -n 's/^Inst \([^ ]*\) (\([^ ]*\) .*/\1 \2/p' | LC_ALL=C sort) || true
+    }
+    resolve
+    # No package lists (a machine whose lists were cleaned): fetch them once, as root.
+    if [ -z "$resolved" ] && [ "$(id -u)" -eq 0 ]; then
+        say "apt has no package lists: running apt-get update"
+        apt-get update -qq || die "apt-get update failed: check the machine's apt sources"
+        resolve
+    fi
+    [ -n "$resolved" ] || die "apt cannot resolve ${DEBIAN_PACKAGES[*]}: run apt-get update (as root), then this again"
     local hash out
     hash=$( {
         echo "recipe $RECIPE debian $DEBIAN_RECIPE agent $agent_sum"
