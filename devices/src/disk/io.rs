@@ -144,31 +144,38 @@ fn advance(iov: &mut [libc::iovec], start: &mut usize, mut n: usize) {
     }
 }
 
-/// Read at `pos` into all of `iov`. Returns the index of the first buffer not (fully) filled
-/// when the file ended first (`iov.len()` when everything was read); that buffer has been
-/// shortened to what is left of it, so `iov[returned..]` is exactly the unfilled part.
+/// Which vectored call [`vectored_full`] makes.
+#[derive(Clone, Copy)]
+enum Direction {
+    Read,
+    Write,
+}
+
+/// Move all of `iov` at `pos` with preadv or pwritev, IOV_MAX buffers per call, retrying on
+/// EINTR; returns how many iovecs were done completely when a call moved nothing (end of
+/// file for a read, a write that wrote nothing), else `iov.len()`.
 ///
 /// # Safety
-/// Every buffer must be valid for writes of its length.
-pub(crate) unsafe fn preadv_full(
+/// Every buffer must be valid for writes (a read) or reads (a write) of its length.
+unsafe fn vectored_full(
     file: &File,
     mut pos: u64,
     iov: &mut [libc::iovec],
+    direction: Direction,
 ) -> std::io::Result<usize> {
     let mut start = 0;
     while start < iov.len() {
         let batch = &iov[start..iov.len().min(start + IOV_MAX)];
         let offset = libc::off_t::try_from(pos)
             .map_err(|_| std::io::Error::from(ErrorKind::InvalidInput))?;
-        // SAFETY: the iovecs point at memory the caller guarantees writable for their
-        // lengths; the count is at most IOV_MAX.
+        let (fd, ptr, count) = (file.as_raw_fd(), batch.as_ptr(), batch.len() as libc::c_int);
+        // SAFETY: the iovecs point at memory the caller guarantees writable (a read) or
+        // readable (a write) for their lengths; the count is at most IOV_MAX.
         let n = unsafe {
-            libc::preadv(
-                file.as_raw_fd(),
-                batch.as_ptr(),
-                batch.len() as libc::c_int,
-                offset,
-            )
+            match direction {
+                Direction::Read => libc::preadv(fd, ptr, count, offset),
+                Direction::Write => libc::pwritev(fd, ptr, count, offset),
+            }
         };
         if n < 0 {
             let err = std::io::Error::last_os_error();
@@ -186,44 +193,36 @@ pub(crate) unsafe fn preadv_full(
     Ok(start)
 }
 
+/// Read at `pos` into all of `iov`. Returns the index of the first buffer not (fully) filled
+/// when the file ended first (`iov.len()` when everything was read); that buffer has been
+/// shortened to what is left of it, so `iov[returned..]` is exactly the unfilled part.
+///
+/// # Safety
+/// Every buffer must be valid for writes of its length.
+pub(crate) unsafe fn preadv_full(
+    file: &File,
+    pos: u64,
+    iov: &mut [libc::iovec],
+) -> std::io::Result<usize> {
+    // SAFETY: passed on from the caller.
+    unsafe { vectored_full(file, pos, iov, Direction::Read) }
+}
+
 /// Write all of `iov` at `pos`.
 ///
 /// # Safety
 /// Every buffer must be valid for reads of its length.
 pub(crate) unsafe fn pwritev_full(
     file: &File,
-    mut pos: u64,
+    pos: u64,
     iov: &mut [libc::iovec],
 ) -> std::io::Result<()> {
-    let mut start = 0;
-    while start < iov.len() {
-        let batch = &iov[start..iov.len().min(start + IOV_MAX)];
-        let offset = libc::off_t::try_from(pos)
-            .map_err(|_| std::io::Error::from(ErrorKind::InvalidInput))?;
-        // SAFETY: the iovecs point at memory the caller guarantees readable for their
-        // lengths; the count is at most IOV_MAX.
-        let n = unsafe {
-            libc::pwritev(
-                file.as_raw_fd(),
-                batch.as_ptr(),
-                batch.len() as libc::c_int,
-                offset,
-            )
-        };
-        if n < 0 {
-            let err = std::io::Error::last_os_error();
-            if err.kind() == ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(err);
-        }
-        if n == 0 {
-            return Err(ErrorKind::WriteZero.into());
-        }
-        pos += n as u64;
-        advance(iov, &mut start, n as usize);
+    let len = iov.len();
+    // SAFETY: passed on from the caller.
+    match unsafe { vectored_full(file, pos, iov, Direction::Write) }? {
+        done if done == len => Ok(()),
+        _ => Err(ErrorKind::WriteZero.into()),
     }
-    Ok(())
 }
 
 /// Free the blocks of `[pos, pos + len)` in `file` (they read as zeros). Filesystems that
