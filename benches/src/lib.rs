@@ -5,7 +5,7 @@ use serde::Serialize;
 
 /// Min, median, 99th percentile (nearest rank) and max of a set of samples (milliseconds unless
 /// the field says otherwise).
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct Stats {
     pub min: f64,
     pub median: f64,
@@ -93,6 +93,8 @@ pub struct Mapping {
     pub name: String,
     pub size_kib: u64,
     pub memory: MemoryUse,
+    /// Pages of this mapping only this process has written (copy-on-write copies included).
+    pub private_dirty_kib: u64,
 }
 
 /// Every mapping of a process, with its size, RSS and PSS.
@@ -136,6 +138,7 @@ fn parse_smaps(smaps: &str) -> Vec<Mapping> {
             "Size:" => current.size_kib = value,
             "Rss:" => current.memory.rss_kib = value,
             "Pss:" => current.memory.pss_kib = value,
+            "Private_Dirty:" => current.private_dirty_kib = value,
             _ => {}
         }
     }

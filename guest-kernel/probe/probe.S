@@ -15,7 +15,7 @@
  *      was wrong, MISMATCH (count); then waits again.
  *
  * Reports go to mayfly's probe device: the value to 0xd0000008, then the kind to 0xd0000000.
- * While waiting it reads 0xd0000010, which mayfly holds for up to 100 ms: an idle probe
+ * While waiting it reads 0xd0000010, which mayfly holds for up to 1 s: an idle probe
  * sleeps rather than spins.
  */
 

@@ -4,7 +4,7 @@
 //! Timeouts here only stop a hung test; they are not performance assertions.
 
 use std::io::{Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -72,7 +72,12 @@ pub struct TestDir(pub PathBuf);
 
 impl TestDir {
     pub fn new(name: &str) -> Self {
-        let path = std::env::temp_dir().join(format!("mayfly-test-{}-{name}", std::process::id()));
+        Self::new_in(&std::env::temp_dir(), name)
+    }
+
+    /// A test directory under `base` rather than the temp directory.
+    pub fn new_in(base: &Path, name: &str) -> Self {
+        let path = base.join(format!("mayfly-test-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);
         std::fs::create_dir_all(&path).expect("create the test directory");
         TestDir(path)

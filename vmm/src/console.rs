@@ -21,6 +21,9 @@ pub enum Console {
     Stdio,
     /// Output to this file (created or truncated); no input.
     File(PathBuf),
+    /// Output appended to this file, which exists (a clone's console log, which is also its
+    /// stderr); no input.
+    Log(PathBuf),
 }
 
 impl std::str::FromStr for Console {
@@ -63,12 +66,23 @@ impl Console {
     pub fn output(&self) -> Result<ConsoleOut, ConsoleError> {
         match self {
             Console::Stdio => Ok(Box::new(Stdout)),
-            // Not following a symlink: a console log is the VMM's own file (a fork creates a
-            // clone's with O_EXCL, and the clone reopens it here).
+            // Not following a symlink: a console log is the VMM's own file.
             Console::File(path) => File::options()
                 .write(true)
                 .create(true)
                 .truncate(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(path)
+                .map(|f| Box::new(f) as ConsoleOut)
+                .map_err(|source| ConsoleError {
+                    path: path.clone(),
+                    source,
+                }),
+            // Appended to: the clone's stderr is the same file, and neither may write over
+            // the other. A fork creates a clone's log with O_EXCL, and the clone reopens it
+            // here, not following a symlink.
+            Console::Log(path) => File::options()
+                .append(true)
                 .custom_flags(libc::O_NOFOLLOW)
                 .open(path)
                 .map(|f| Box::new(f) as ConsoleOut)
@@ -175,25 +189,37 @@ fn lock_unpaused<'a>(
 
 /// How long a UART interrupt may stay pending, untouched by the guest, before it is raised again.
 const UART_STALL: Duration = Duration::from_millis(50);
+/// The watchdog's longest sleep, once the guest has left the UART alone for a while: an idle
+/// VM is not woken 20 times a second for nothing (a thousand idle clones would spend a core
+/// on it), and a stall that begins after a long quiet is caught within this.
+const UART_IDLE_CHECK: Duration = Duration::from_millis(800);
 
 /// Watch the UART for interrupts the guest never took (see
-/// [`SerialConsole::kick_if_stalled`]) until the console goes away with the VM.
+/// [`SerialConsole::kick_if_stalled`]) until the console goes away with the VM: every
+/// `UART_STALL` while the guest uses its console, backing off to `UART_IDLE_CHECK` while not.
 pub fn spawn_uart_watchdog(serial: &Arc<Mutex<SerialConsole>>, gate: &Arc<Gate>) -> io::Result<()> {
     let serial = Arc::downgrade(serial);
     let gate = gate.clone();
     std::thread::Builder::new()
         .name("uart-watchdog".into())
         .stack_size(crate::HELPER_THREAD_STACK)
-        .spawn(move || loop {
-            std::thread::sleep(UART_STALL);
-            let Some(serial) = serial.upgrade() else {
-                return;
-            };
-            let Some(mut uart) = lock_unpaused(&serial, &gate) else {
-                return;
-            };
-            if uart.kick_if_stalled(UART_STALL).is_err() {
-                return;
+        .spawn(move || {
+            let mut sleep = UART_STALL;
+            loop {
+                std::thread::sleep(sleep);
+                let Some(serial) = serial.upgrade() else {
+                    return;
+                };
+                let Some(mut uart) = lock_unpaused(&serial, &gate) else {
+                    return;
+                };
+                match uart.kick_if_stalled(UART_STALL) {
+                    Err(_) => return,
+                    Ok(true) => sleep = UART_STALL,
+                    // The guest used its console since the last look.
+                    Ok(false) if uart.idle_for() < sleep => sleep = UART_STALL,
+                    Ok(false) => sleep = (sleep * 2).min(UART_IDLE_CHECK),
+                }
             }
         })?;
     Ok(())

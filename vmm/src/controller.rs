@@ -190,7 +190,9 @@ impl Controller {
                             | ForkError::Name(_)
                             | ForkError::NoSocket => 400,
                             ForkError::NamesInUse { .. } => 409,
-                            ForkError::NotEnoughMemory { .. } => 507,
+                            ForkError::NotEnoughMemory { .. } | ForkError::NotEnoughPids { .. } => {
+                                507
+                            }
                             ForkError::ShuttingDown => 409,
                             _ => 500,
                         };

@@ -7,9 +7,12 @@
 //!    (copy-on-write) mapping of it; any other VM first writes its memory, sparse, into a new
 //!    memfd. The parent and every clone map the base privately: clean pages stay shared
 //!    through the page cache, each side's writes stay its own, and nobody writes the base.
-//! 3. Start each clone as `mayfly restore` of the state (a sealed memfd) and the base, passed as
-//!    inherited file descriptors: nothing goes to disk. Each clone gets a name, an index, a new
-//!    VM generation ID (its kernel RNG reseeds) and its wall clock set from the host.
+//! 3. Start the clones from a zygote ([`crate::zygote`]): one `mayfly zygote` process per
+//!    fork, given the state (a sealed memfd) and the base as inherited descriptors (nothing
+//!    goes to disk), prepares the restore once and fork(2)s one child per clone, each child
+//!    making its own KVM VM. Each clone is its own process with its own control socket,
+//!    console and name, an index, a new VM generation ID (its kernel RNG reseeds) and its
+//!    wall clock set from the host.
 //! 4. Wait until every clone reports its vCPUs running, then resume the parent.
 //!
 //! Why this mechanism, measured in the test rig (benches/results/fork-rig.json, 128 MiB guest):
@@ -24,11 +27,9 @@
 //! single file holding its memory, so its fork copies (sparse) once, and then shares as above.
 
 use std::fs::File;
-use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::process::CommandExt;
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -36,13 +37,20 @@ use serde::Serialize;
 use crate::machine::{Machine, PauseError};
 use crate::snapshot::{self, SnapshotCreateError};
 use crate::vm::VmError;
+pub use crate::zygote::CloneInfo;
+use crate::zygote::{Zygote, ZygoteError};
 
 /// More clones than this in one request is a mistake, not a plan.
 pub const MAX_CLONES: u32 = 10_000;
-/// What mayfly counts a clone as costing the host at first: its VMM, the guest pages it will
-/// soon write (a kernel's own bookkeeping), as a fraction of guest RAM.
-const CLONE_OVERHEAD_MIB: u64 = 4;
+/// What mayfly counts a clone as costing the host at first: its VMM (measured: 1.5 MiB of host
+/// memory per idle probe clone, its KVM VM included), the guest pages it will soon write (a
+/// kernel's own bookkeeping), as a fraction of guest RAM.
+const CLONE_OVERHEAD_MIB: u64 = 2;
 const CLONE_RAM_FRACTION: u64 = 32;
+/// Tasks (threads, each with a pid) of a clone besides one per vCPU: its main thread, the
+/// signal, control socket, console input and UART watchdog threads, one per virtio device, and
+/// KVM's own worker. Counted high: a fork that runs out of pids fails half-way.
+const CLONE_TASKS: u64 = 10;
 /// Names in use skipped in one fork before it gives up.
 const MAX_SKIPPED_NAMES: u32 = 10_000;
 /// How long a clone may take to report that it runs.
@@ -60,6 +68,15 @@ pub enum ForkError {
         mem_mib: u64,
         needed_mib: u64,
         available_mib: u64,
+    },
+    #[error("forking {count} clones needs about {needed} tasks (threads; each takes a pid), and {in_use} of this host's {limit} ({what}) are in use: raise it (sysctl -w {sysctl}=...) or fork fewer")]
+    NotEnoughPids {
+        count: u32,
+        needed: u64,
+        in_use: u64,
+        limit: u64,
+        what: &'static str,
+        sysctl: &'static str,
     },
     #[error("the VM is shutting down: nothing to fork")]
     ShuttingDown,
@@ -82,12 +99,8 @@ pub enum ForkError {
     NamesExhausted,
     #[error("{MAX_SKIPPED_NAMES} clone names {prefix}N in {dir} in a row are taken (by files of other clones): remove stale ones or fork with another --name-prefix")]
     NamesInUse { dir: PathBuf, prefix: String },
-    #[error("clone {name} did not start: {reason} (its console log: {log})")]
-    CloneFailed {
-        name: String,
-        reason: String,
-        log: PathBuf,
-    },
+    #[error(transparent)]
+    Clones(#[from] ZygoteError),
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ForkError {
@@ -105,27 +118,6 @@ pub struct ForkRequest {
     pub parent_paused: bool,
 }
 
-/// One clone, as the fork's answer lists it.
-#[derive(Clone, Debug, Serialize)]
-pub struct CloneInfo {
-    pub name: String,
-    pub index: u32,
-    pub pid: u32,
-    /// Its control socket.
-    pub api_sock: PathBuf,
-    /// Its serial console's output.
-    pub console_log: PathBuf,
-    /// A FIFO: what is written to it is typed into the clone's serial console.
-    pub console_input: PathBuf,
-    /// Its vsock socket (the guest agent is reached through it).
-    pub vsock: PathBuf,
-    /// Its vsock CID, its own.
-    pub vsock_cid: u64,
-    /// Where its writable disks keep their own layers (on the parent's frozen chain).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub disk_dir: Option<PathBuf>,
-}
-
 #[derive(Clone, Debug, Serialize)]
 pub struct ForkReport {
     pub parent: String,
@@ -135,7 +127,8 @@ pub struct ForkReport {
     pub pause_ms: f64,
     pub state_ms: f64,
     pub freeze_ms: f64,
-    pub spawn_ms: f64,
+    /// Until the zygote ran (before it prepared the restore).
+    pub zygote_ms: f64,
     /// From the request until every clone reported its vCPUs running.
     pub total_ms: f64,
 }
@@ -144,6 +137,22 @@ fn available_mib() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
     Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? / 1024)
+}
+
+fn read_number(path: &str) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// Tasks on this host now (the total of /proc/loadavg's "running/total").
+fn tasks_in_use() -> Option<u64> {
+    let loadavg = std::fs::read_to_string("/proc/loadavg").ok()?;
+    loadavg
+        .split_whitespace()
+        .nth(3)?
+        .split('/')
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 /// Check a request before anything happens to the VM.
@@ -164,6 +173,35 @@ fn check(vm: &Machine, dir: Option<&Path>, request: &ForkRequest) -> Result<(), 
                 needed_mib,
                 available_mib,
             });
+        }
+    }
+    let needed = u64::from(request.count) * (u64::from(vm.info.vcpu_count) + CLONE_TASKS);
+    if let Some(in_use) = tasks_in_use() {
+        for (what, sysctl, path) in [
+            (
+                "kernel.pid_max",
+                "kernel.pid_max",
+                "/proc/sys/kernel/pid_max",
+            ),
+            (
+                "kernel.threads-max",
+                "kernel.threads-max",
+                "/proc/sys/kernel/threads-max",
+            ),
+        ] {
+            let Some(limit) = read_number(path) else {
+                continue;
+            };
+            if in_use + needed > limit {
+                return Err(ForkError::NotEnoughPids {
+                    count: request.count,
+                    needed,
+                    in_use,
+                    limit,
+                    what,
+                    sysctl,
+                });
+            }
         }
     }
     if let Some(prefix) = &request.name_prefix {
@@ -203,17 +241,6 @@ fn sealed_memfd(bytes: &[u8]) -> Result<File, ForkError> {
     Ok(file)
 }
 
-/// A pipe, both ends close-on-exec: (read, write).
-fn pipe() -> Result<(File, OwnedFd), ForkError> {
-    let mut fds = [0; 2];
-    // SAFETY: pipe2 fills the two-element array; the result is checked.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
-        return Err(io("create a pipe")(std::io::Error::last_os_error()));
-    }
-    // SAFETY: pipe2 returned two new descriptors nothing else owns.
-    unsafe { Ok((File::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1]))) }
-}
-
 /// Create a FIFO at `path`; never replaces what is there (EEXIST then).
 fn mkfifo(path: &Path) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
@@ -244,6 +271,7 @@ fn claim_clone_files(
         name: name.to_string(),
         index: 0,
         pid: 0,
+        ready_ms: 0.0,
     };
     let exists = |p: &Path| std::fs::symlink_metadata(p).is_ok();
     if exists(&info.api_sock)
@@ -292,157 +320,6 @@ fn claim_clone_files(
     }
 }
 
-/// A descriptor duplicated for a child to inherit (not close-on-exec); closed when dropped.
-struct Inherited(i32);
-
-impl Inherited {
-    fn dup(fd: &impl AsRawFd) -> Result<Self, ForkError> {
-        // SAFETY: dup of a descriptor we own; the new one is owned by the returned value.
-        let new = unsafe { libc::dup(fd.as_raw_fd()) };
-        if new < 0 {
-            return Err(io("duplicate a descriptor for a clone")(
-                std::io::Error::last_os_error(),
-            ));
-        }
-        Ok(Inherited(new))
-    }
-}
-
-impl Drop for Inherited {
-    fn drop(&mut self) {
-        // SAFETY: closes the descriptor this value owns.
-        unsafe { libc::close(self.0) };
-    }
-}
-
-/// A clone being started: its process and the pipe it reports on.
-struct Starting {
-    info: CloneInfo,
-    ready: File,
-}
-
-/// Start a clone as `mayfly restore` of the state and memory base, with the files claimed for
-/// it.
-fn spawn_clone(
-    info: CloneInfo,
-    log: File,
-    parent: &str,
-    state: &File,
-    memory: &File,
-) -> Result<Starting, ForkError> {
-    let (ready, ready_w) = pipe()?;
-    // The clone inherits three descriptors. They are duplicated without close-on-exec just for
-    // this spawn (clones are started one at a time, from this thread only), so the standard
-    // library can start the clone with posix_spawn rather than fork: no copy of this process's
-    // page tables per clone.
-    let inherit = [
-        Inherited::dup(state)?,
-        Inherited::dup(memory)?,
-        Inherited::dup(&ready_w)?,
-    ];
-    let exe = std::env::current_exe().map_err(io("find the mayfly binary"))?;
-    let mut command = Command::new(exe);
-    command
-        .arg("restore")
-        .arg("--state-fd")
-        .arg(inherit[0].0.to_string())
-        .arg("--memory-fd")
-        .arg(inherit[1].0.to_string())
-        .arg("--ready-fd")
-        .arg(inherit[2].0.to_string())
-        .args(["--memory", "cow", "--name", &info.name])
-        .arg("--clone-of")
-        .arg(parent)
-        .arg("--clone-index")
-        .arg(info.index.to_string())
-        .arg("--api-sock")
-        .arg(&info.api_sock)
-        .arg("--vsock")
-        .arg(&info.vsock)
-        .arg("--vsock-cid")
-        .arg(info.vsock_cid.to_string())
-        .arg("--console")
-        .arg(&info.console_log)
-        .arg("--console-input")
-        .arg(&info.console_input)
-        .args(
-            info.disk_dir
-                .iter()
-                .flat_map(|d| [std::ffi::OsStr::new("--disk-dir"), d.as_os_str()]),
-        )
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        // Its own process group: the clone outlives the parent, and a Ctrl-C or hang-up meant
-        // for the parent's terminal does not reach it.
-        .process_group(0);
-    let child = command
-        .spawn()
-        .map_err(io(format!("start clone {}", info.name)))?;
-    drop(inherit);
-    drop(ready_w);
-    Ok(Starting {
-        info: CloneInfo {
-            pid: child.id(),
-            ..info
-        },
-        ready,
-    })
-}
-
-/// Read each clone's report ("ready", or an error) until all have answered.
-fn wait_ready(starting: Vec<Starting>) -> Result<Vec<CloneInfo>, ForkError> {
-    let deadline = Instant::now() + READY_TIMEOUT;
-    let mut clones = Vec::with_capacity(starting.len());
-    let mut failure = None;
-    for mut clone in starting {
-        let mut answer = String::new();
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let mut poll = libc::pollfd {
-            fd: clone.ready.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: poll on one pollfd we own; the result is checked below.
-        let n = unsafe {
-            libc::poll(
-                &mut poll,
-                1,
-                remaining.as_millis().min(i32::MAX as u128) as i32,
-            )
-        };
-        if n > 0 {
-            let _ = clone.ready.read_to_string(&mut answer);
-        }
-        if answer.starts_with("ready") {
-            clones.push(clone.info);
-        } else if failure.is_none() {
-            let reason = match answer.trim() {
-                "" if n <= 0 => "it did not report within 120 s".to_string(),
-                "" => "it exited without reporting".to_string(),
-                other => other.to_string(),
-            };
-            failure = Some(ForkError::CloneFailed {
-                name: clone.info.name.clone(),
-                reason,
-                log: clone.info.console_log.clone(),
-            });
-            kill(clone.info.pid);
-        } else {
-            kill(clone.info.pid);
-        }
-    }
-    match failure {
-        None => Ok(clones),
-        Some(err) => {
-            for clone in &clones {
-                kill(clone.pid);
-            }
-            Err(err)
-        }
-    }
-}
-
 /// A vsock CID for a clone: random, so that no two clones of one VM (or of its clones) are
 /// likely to share one (each has its own device and socket either way).
 fn clone_cid() -> Result<u64, ForkError> {
@@ -450,11 +327,6 @@ fn clone_cid() -> Result<u64, ForkError> {
     crate::identity::host_random(&mut bytes).map_err(io("get random bytes for a clone's CID"))?;
     // 3 and up (0-2 are reserved), below u32::MAX.
     Ok(1000 + u64::from(u32::from_le_bytes(bytes) % (u32::MAX - 2000)))
-}
-
-fn kill(pid: u32) {
-    // SAFETY: kill(2) on a clone this fork started.
-    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
 }
 
 /// Fork the machine into `request.count` clones whose files go into `dir` (the directory of
@@ -517,21 +389,23 @@ fn fork_paused(
     };
     let freeze_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms - state_ms;
 
+    // The zygote starts (exec) while this VMM claims the clones' names.
+    let zygote = Zygote::spawn(&state_file, &base)?;
+    let zygote_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms - state_ms - freeze_ms;
+
     let parent = vm.info.identity.name.clone();
     let prefix = request
         .name_prefix
         .clone()
         .unwrap_or_else(|| format!("{parent}-"));
-    let mut starting = Vec::with_capacity(request.count as usize);
-    let mut result = Ok(());
+    let mut claimed = Vec::with_capacity(request.count as usize);
     let mut skipped = 0u32;
-    while starting.len() < request.count as usize {
+    while claimed.len() < request.count as usize {
         if skipped > MAX_SKIPPED_NAMES {
-            result = Err(ForkError::NamesInUse {
+            return Err(ForkError::NamesInUse {
                 dir: dir.to_path_buf(),
-                prefix: prefix.clone(),
+                prefix,
             });
-            break;
         }
         let index = vm.info.next_clone;
         vm.info.next_clone = index.checked_add(1).ok_or(ForkError::NamesExhausted)?;
@@ -543,32 +417,16 @@ fn fork_paused(
             continue;
         };
         let vsock_cid = clone_cid()?;
-        match spawn_clone(
+        claimed.push((
             CloneInfo {
                 index,
                 vsock_cid,
                 ..info
             },
             log,
-            &parent,
-            &state_file,
-            &base,
-        ) {
-            Ok(clone) => starting.push(clone),
-            Err(err) => {
-                result = Err(err);
-                break;
-            }
-        }
+        ));
     }
-    if let Err(err) = result {
-        for clone in &starting {
-            kill(clone.info.pid);
-        }
-        return Err(err);
-    }
-    let spawn_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms - state_ms - freeze_ms;
-    let clones = wait_ready(starting)?;
+    let clones = zygote.start_clones(&parent, claimed, start, READY_TIMEOUT)?;
     Ok(ForkReport {
         parent,
         clones,
@@ -576,7 +434,7 @@ fn fork_paused(
         pause_ms,
         state_ms,
         freeze_ms,
-        spawn_ms,
+        zygote_ms,
         total_ms: start.elapsed().as_secs_f64() * 1e3,
     })
 }

@@ -34,6 +34,7 @@ pub mod snapshot;
 pub mod trace;
 pub mod vcpu;
 pub mod vm;
+pub mod zygote;
 
 /// Stack size of the VMM's own threads (vCPUs, console, signals). They need little, and a stack
 /// smaller than 2 MiB can never be backed by a transparent huge page, which would cost 2 MiB of

@@ -12,7 +12,8 @@ use mayfly_vmm::device_manager::{self, DevicesConfig, RestoreTargets, VsockConfi
 use mayfly_vmm::disks::DiskSpec;
 use mayfly_vmm::event::{VmEvent, VmExit};
 use mayfly_vmm::kernel::Image;
-use mayfly_vmm::restore::{self, MemoryMode, RestoreConfig, SnapshotSource};
+use mayfly_vmm::restore::{self, Instance, MemoryMode, RestoreConfig, SnapshotSource};
+use mayfly_vmm::zygote::{self, Reporter};
 use mayfly_vmm::{api, boot, default_guest, identity, trace, Error};
 
 mod guest_commands;
@@ -74,6 +75,22 @@ enum Command {
     ///
     /// Example: mayfly cp --sock /tmp/vm.sock ./data.csv vm:/root/data.csv
     Cp(guest_commands::CpArgs),
+    /// Started by a fork: makes its clones (see the fork's code).
+    #[command(hide = true)]
+    Zygote(ZygoteArgs),
+}
+
+#[derive(Args)]
+struct ZygoteArgs {
+    /// The fork's state.
+    #[arg(long, value_name = "FD")]
+    state_fd: i32,
+    /// The fork's memory base.
+    #[arg(long, value_name = "FD")]
+    memory_fd: i32,
+    /// The fork's socket.
+    #[arg(long, value_name = "FD")]
+    socket_fd: i32,
 }
 
 #[derive(Args)]
@@ -113,29 +130,14 @@ struct SnapshotArgs {
 #[derive(Args)]
 struct RestoreArgs {
     /// The snapshot directory.
-    #[arg(value_name = "DIR", required_unless_present_all = ["state_fd", "memory_fd"])]
-    dir: Option<PathBuf>,
-    /// Set by a fork: the descriptor of the state (instead of DIR/state).
-    #[arg(long, value_name = "FD", hide = true, requires = "memory_fd")]
-    state_fd: Option<i32>,
-    /// Set by a fork: the descriptor of the memory base (instead of DIR/memory).
-    #[arg(long, value_name = "FD", hide = true, requires = "state_fd")]
-    memory_fd: Option<i32>,
+    #[arg(value_name = "DIR")]
+    dir: PathBuf,
     /// The VM's name (default: the snapshot's). Its guest reads it with `mayfly-identity`.
     #[arg(long, value_name = "NAME")]
     name: Option<String>,
     /// A file or FIFO whose bytes are typed into the guest's console.
     #[arg(long, value_name = "PATH")]
     console_input: Option<PathBuf>,
-    /// Set by a fork: the parent's name.
-    #[arg(long, value_name = "NAME", hide = true, requires = "clone_index")]
-    clone_of: Option<String>,
-    /// Set by a fork: this clone's index.
-    #[arg(long, value_name = "N", hide = true, requires = "clone_of")]
-    clone_index: Option<u32>,
-    /// Set by a fork: write "ready" (or the error) to this descriptor once running.
-    #[arg(long, value_name = "FD", hide = true)]
-    ready_fd: Option<i32>,
     /// How guest memory comes back: `cow` maps the memory file copy-on-write (instant; restores
     /// of one snapshot share memory); `lazy` loads pages as the guest touches them
     /// (userfaultfd), prefetching the pages the snapshot recorded as used first; `eager` reads
@@ -161,9 +163,6 @@ struct RestoreArgs {
     /// `<api-sock>.vsock` when there is a control socket.
     #[arg(long, value_name = "PATH")]
     vsock: Option<PathBuf>,
-    /// Set by a fork: the clone's own vsock CID.
-    #[arg(long, value_name = "CID", hide = true)]
-    vsock_cid: Option<u64>,
     /// Where the restored VM's writable disks put their own layers (see `mayfly run
     /// --disk-dir`). Default: `<api-sock>.disks` when there is a control socket.
     #[arg(long, value_name = "DIR")]
@@ -327,14 +326,32 @@ impl RunArgs {
     }
 }
 
+/// Raise this process's descriptor limit to the hard limit: a fork follows each of its
+/// clones through a pidfd until all run (a thousand clones, a thousand descriptors), and
+/// Debian's default soft limit is 1024.
+fn raise_descriptor_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid rlimit struct; failure leaves the limit as is.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Run(_) | Command::Restore(_)) {
+        raise_descriptor_limit();
+    }
     match cli.command {
         Command::Run(args) => with_stop_signals(None, |signals| run(args, signals)),
-        Command::Restore(args) => {
-            let ready = args.ready_fd.map(ReadyReport::new);
-            with_stop_signals(ready, |signals| restore(args, signals))
-        }
+        Command::Restore(args) => with_stop_signals(None, |signals| restore(args, signals)),
         Command::Pause(args) => client(&args.sock, "PUT", "/vm/pause", None),
         Command::Resume(args) => client(&args.sock, "PUT", "/vm/resume", None),
         Command::Status(args) => client(&args.sock, "GET", "/vm", None),
@@ -352,7 +369,31 @@ fn main() -> ExitCode {
         ),
         Command::Exec(args) => guest_commands::exec(args),
         Command::Cp(args) => guest_commands::cp(args),
+        Command::Zygote(args) => {
+            if let Err(err) = mayfly_vmm::memory::install_sigbus_handler() {
+                return fail(Error::Signals(err));
+            }
+            ExitCode::from(zygote::serve(
+                args.state_fd,
+                args.memory_fd,
+                args.socket_fd,
+                start_clone,
+            ))
+        }
     }
+}
+
+/// A clone, in the process the fork's zygote made for it: finish the restore and run the VM.
+fn start_clone(prepared: restore::Prepared, instance: Instance, report: Reporter) -> ! {
+    let started = std::time::Instant::now();
+    let console = instance.console.clone();
+    with_stop_signals(Some(report), |signals| {
+        serve(&console, signals, || {
+            let claims = restore::Claims::take(&instance).map_err(Error::Restore)?;
+            restore::start(prepared, instance, claims, started).map_err(Error::Restore)
+        })
+    });
+    std::process::exit(1)
 }
 
 fn fail(err: impl std::fmt::Display) -> ExitCode {
@@ -362,10 +403,7 @@ fn fail(err: impl std::fmt::Display) -> ExitCode {
 
 /// Run `body` with the stop signals taken by a thread of their own from the first moment: a
 /// VMM told to stop while it is still starting its VM exits then and there.
-fn with_stop_signals(
-    ready: Option<ReadyReport>,
-    body: impl FnOnce(Started) -> ExitCode,
-) -> ExitCode {
+fn with_stop_signals(ready: Option<Reporter>, body: impl FnOnce(Started) -> ExitCode) -> ExitCode {
     if let Err(err) = mayfly_vmm::memory::install_sigbus_handler() {
         return fail_and_report(ready, Error::Signals(err));
     }
@@ -378,7 +416,8 @@ fn with_stop_signals(
 /// What `run` and `restore` start with: the signal thread, and whom to tell that the VM runs.
 struct Started {
     signals: StopSignals,
-    ready: Option<ReadyReport>,
+    /// For a clone: the fork that waits for it to run.
+    ready: Option<Reporter>,
 }
 
 fn run(args: RunArgs, started: Started) -> ExitCode {
@@ -411,72 +450,34 @@ fn restore(args: RestoreArgs, started: Started) -> ExitCode {
             return fail_and_report(ready, err);
         }
     }
-    if let Some(parent) = &args.clone_of {
-        if let Err(err) = identity::check_name(parent) {
-            return fail_and_report(ready, err);
-        }
-    }
-    let (source, origin) = match (&args.dir, args.state_fd, args.memory_fd) {
-        (_, Some(state), Some(memory)) => match SnapshotSource::inherited(state, memory) {
-            Ok(source) => (
-                source,
-                match &args.clone_of {
-                    Some(parent) => format!("fork of {parent}"),
-                    None => "restore".to_string(),
-                },
-            ),
-            Err(err) => return fail_and_report(ready, Error::Restore(err)),
-        },
-        (Some(dir), _, _) => (
-            SnapshotSource::Dir(dir.clone()),
-            format!("restore of {}", dir.display()),
-        ),
-        _ => unreachable!("clap requires DIR or both descriptors"),
-    };
     let config = RestoreConfig {
-        source,
-        origin,
+        source: SnapshotSource::Dir(args.dir.clone()),
         memory,
-        console: args.console,
-        console_input: args.console_input,
-        api_sock: args.api_sock.clone(),
-        paused: args.paused,
-        name: args.name,
-        clone_of: args.clone_of.zip(args.clone_index),
-        devices: RestoreTargets {
-            vsock_path: beside_socket(args.vsock, args.api_sock.as_deref(), ".vsock"),
-            vsock_cid: args.vsock_cid,
-            snapshot_dir: args.dir.clone(),
-            disk_dir: beside_socket(args.disk_dir, args.api_sock.as_deref(), ".disks"),
+        instance: Instance {
+            origin: format!("restore of {}", args.dir.display()),
+            console: args.console,
+            console_input: args.console_input,
+            api_sock: args.api_sock.clone(),
+            paused: args.paused,
+            name: args.name,
+            clone_of: None,
+            devices: RestoreTargets {
+                vsock_path: beside_socket(args.vsock, args.api_sock.as_deref(), ".vsock"),
+                vsock_cid: None,
+                snapshot_dir: Some(args.dir.clone()),
+                disk_dir: beside_socket(args.disk_dir, args.api_sock.as_deref(), ".disks"),
+            },
         },
     };
-    let console = config.console.clone();
+    let console = config.instance.console.clone();
     serve(&console, Started { signals, ready }, || {
         restore::restore(config).map_err(Error::Restore)
     })
 }
 
-/// Tells whoever started this VMM (a fork) whether the VM is running.
-struct ReadyReport(std::fs::File);
-
-impl ReadyReport {
-    fn new(fd: i32) -> Self {
-        use std::os::fd::FromRawFd;
-        // SAFETY: the descriptor was passed to this process for this report and nothing else
-        // uses it.
-        ReadyReport(unsafe { std::fs::File::from_raw_fd(fd) })
-    }
-
-    fn send(mut self, line: &str) {
-        use std::io::Write;
-        // The parent may be gone; the VM runs anyway.
-        let _ = writeln!(self.0, "{line}");
-    }
-}
-
-fn fail_and_report(ready: Option<ReadyReport>, err: impl std::fmt::Display) -> ExitCode {
+fn fail_and_report(ready: Option<Reporter>, err: impl std::fmt::Display) -> ExitCode {
     if let Some(ready) = ready {
-        ready.send(&format!("error: {err}"));
+        ready.failed(&err.to_string());
     }
     fail(err)
 }
@@ -488,9 +489,6 @@ fn serve(
     start: impl FnOnce() -> Result<Controller, Error>,
 ) -> ExitCode {
     let Started { signals, ready } = started;
-    // Clones this VM forks are reaped by the kernel, not waited for.
-    // SAFETY: setting a signal's disposition to "ignore" has no other effect.
-    unsafe { libc::signal(libc::SIGCHLD, libc::SIG_IGN) };
     let raw_terminal = (*console == Console::Stdio)
         .then(RawTerminal::stdin)
         .flatten();
@@ -503,7 +501,7 @@ fn serve(
     };
     trace::event("vcpus_started");
     if let Some(ready) = ready {
-        ready.send("ready");
+        ready.ready();
     }
     signals.forward_to(controller.event_sender.clone());
     let exit = controller.run();

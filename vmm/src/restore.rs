@@ -11,6 +11,9 @@
 //!    clock is right) and the interrupt controllers; then each vCPU; then the devices.
 //! 4. Tell each vCPU's kvmclock the guest was stopped (its soft-lockup watchdog must not count
 //!    the time on disk), start the lazy memory handler if any, and start the vCPUs.
+//!
+//! Steps 1 and 2 ([`prepare`]) do not depend on which VM is started from the snapshot, steps 3
+//! and 4 ([`start`]) make one: a fork's zygote prepares once and starts a clone per fork(2).
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -106,9 +109,16 @@ impl SnapshotSource {
 #[derive(Debug)]
 pub struct RestoreConfig {
     pub source: SnapshotSource,
+    pub memory: MemoryMode,
+    pub instance: Instance,
+}
+
+/// Who a restored VM is and where it connects: all a restore needs besides the snapshot. A
+/// fork's zygote prepares the snapshot once and starts one instance of it per clone.
+#[derive(Debug)]
+pub struct Instance {
     /// How `GET /vm` names where the VM came from.
     pub origin: String,
-    pub memory: MemoryMode,
     pub console: Console,
     /// A file or FIFO whose bytes are typed into the console (besides stdin with
     /// `Console::Stdio`).
@@ -122,6 +132,31 @@ pub struct RestoreConfig {
     pub clone_of: Option<(String, u32)>,
     /// Where the restored devices connect on this host (the vsock socket, a clone's CID).
     pub devices: RestoreTargets,
+}
+
+/// The socket paths of an instance, claimed: of two VMMs started on one path, the second
+/// stops at its claim.
+pub struct Claims {
+    api: Option<SocketClaim>,
+    vsock: Option<SocketClaim>,
+}
+
+impl Claims {
+    pub fn take(instance: &Instance) -> Result<Self, RestoreError> {
+        Ok(Self {
+            api: instance
+                .api_sock
+                .as_deref()
+                .map(SocketClaim::new)
+                .transpose()?,
+            vsock: instance
+                .devices
+                .vsock_path
+                .as_deref()
+                .map(SocketClaim::new)
+                .transpose()?,
+        })
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -286,20 +321,29 @@ const MAX_SERIAL_INPUT: usize = 1024;
 /// Restore the snapshot `config.source`; returns once every vCPU runs (or waits, paused).
 pub fn restore(config: RestoreConfig) -> Result<Controller, RestoreError> {
     let started = std::time::Instant::now();
-    // The socket paths, claimed before anything else: of two VMMs started on one path, the
-    // second stops here.
-    let api_claim = config
-        .api_sock
-        .as_deref()
-        .map(SocketClaim::new)
-        .transpose()?;
-    let vsock_claim = config
-        .devices
-        .vsock_path
-        .as_deref()
-        .map(SocketClaim::new)
-        .transpose()?;
-    let snapshot = load(config.source)?;
+    // The socket paths, claimed before anything else.
+    let claims = Claims::take(&config.instance)?;
+    let prepared = prepare(config.source, config.memory)?;
+    start(prepared, config.instance, claims, started)
+}
+
+/// A snapshot read, checked against this host's KVM and mapped: everything of a restore that
+/// does not depend on which instance of the snapshot is started. Nothing in it runs a thread
+/// or belongs to a KVM VM, so a process holding one can fork(2) and finish the restore in
+/// the child (see [`crate::zygote`]).
+pub struct Prepared {
+    state: VmState,
+    kvm: kvm_ioctls::Kvm,
+    caps: KvmCaps,
+    ram: GuestRam,
+    memory: MemoryMode,
+    memory_protection: crate::memory::BackingProtection,
+}
+
+/// Steps 1 and 2: read and check the snapshot, open KVM and check the snapshot against it,
+/// map guest RAM.
+pub fn prepare(source: SnapshotSource, memory: MemoryMode) -> Result<Prepared, RestoreError> {
+    let snapshot = load(source)?;
     trace::event("state_loaded");
     let state = &snapshot.state;
 
@@ -325,7 +369,6 @@ pub fn restore(config: RestoreConfig) -> Result<Controller, RestoreError> {
     for vcpu in &state.vcpus {
         kvm_state::check_cpuid(&vcpu.cpuid, &supported)?;
     }
-    let console_out = config.console.output()?;
 
     let ranges: Vec<RamRange> = state
         .memory
@@ -336,7 +379,7 @@ pub fn restore(config: RestoreConfig) -> Result<Controller, RestoreError> {
             file_offset: r.file_offset,
         })
         .collect();
-    let ram = match config.memory {
+    let ram = match memory {
         MemoryMode::Cow => GuestRam::copy_on_write(snapshot.memory, &ranges)?,
         MemoryMode::Lazy { .. } => GuestRam::lazy(snapshot.memory, &ranges)?,
         MemoryMode::Eager => GuestRam::eager(&snapshot.memory, &ranges)?,
@@ -354,11 +397,38 @@ pub fn restore(config: RestoreConfig) -> Result<Controller, RestoreError> {
             snapshot.memory_path
         );
     }
+    Ok(Prepared {
+        state: snapshot.state,
+        kvm,
+        caps,
+        ram,
+        memory,
+        memory_protection,
+    })
+}
+
+/// Steps 3 and 4: make the VM of a prepared snapshot, as `instance`, and start it.
+pub fn start(
+    prepared: Prepared,
+    config: Instance,
+    claims: Claims,
+    started: std::time::Instant,
+) -> Result<Controller, RestoreError> {
+    let Prepared {
+        state,
+        kvm,
+        caps,
+        ram,
+        memory,
+        memory_protection,
+    } = prepared;
+    let state = &state;
+    let console_out = config.console.output()?;
     let (event_sender, events) = channel();
     // Serve lazy memory before anything touches it: restoring vCPUs makes KVM write into
     // guest RAM (kvmclock pages), and a page written before the handler runs would never be
     // loaded from the file.
-    let lazy = match config.memory {
+    let lazy = match memory {
         MemoryMode::Lazy { prefetch } => {
             let file = ram.backing.try_clone().map_err(MemoryError::Memfd)?;
             let regions: Vec<LazyRegion> = ram
@@ -466,8 +536,8 @@ pub fn restore(config: RestoreConfig) -> Result<Controller, RestoreError> {
         },
     };
     let mut controller = Controller::new(machine, events, event_sender.clone());
-    controller.vsock_claim = vsock_claim;
-    if let Some(claim) = api_claim {
+    controller.vsock_claim = claims.vsock;
+    if let Some(claim) = claims.api {
         controller.start_api(claim)?;
     }
     let m = &mut controller.machine;

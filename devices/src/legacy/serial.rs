@@ -149,6 +149,11 @@ impl SerialConsole {
         Ok(true)
     }
 
+    /// How long ago the guest last read or wrote a UART register.
+    pub fn idle_for(&self) -> std::time::Duration {
+        self.last_access.elapsed()
+    }
+
     /// Room left in the receive FIFO.
     pub fn input_capacity(&self) -> usize {
         self.uart.fifo_capacity()

@@ -1,0 +1,404 @@
+//! The fork path, on this machine's own KVM with the probe guest: clones made by the fork's
+//! zygote run apart from each other, and the four cases found by reading the fork code (a lazy
+//! restore still loading its memory, descriptors a clone of a clone must not hold, a restored
+//! parent's clone numbers, a fork that fails half-way) each end the way they should.
+
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use mayfly_tests::guest::{Guest, TestDir};
+use mayfly_tests::probe;
+use mayfly_vmm::api;
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+fn request(
+    sock: &Path,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> (u16, serde_json::Value) {
+    api::request_with_timeout(sock, method, path, body.as_ref(), TIMEOUT)
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+/// A fork of `count` clones that must succeed: (name, pid, console log) of each.
+fn fork(sock: &Path, count: u32) -> Vec<(String, u32, PathBuf)> {
+    let (status, body) = request(
+        sock,
+        "PUT",
+        "/vm/fork",
+        Some(serde_json::json!({ "count": count })),
+    );
+    assert_eq!(status, 200, "{body}");
+    body["clones"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["name"].as_str().unwrap().to_string(),
+                c["pid"].as_u64().unwrap() as u32,
+                PathBuf::from(c["console_log"].as_str().unwrap()),
+            )
+        })
+        .collect()
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie has ended too.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        !stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z')
+    })
+}
+
+fn kill(pid: u32) {
+    // SAFETY: kill(2) of a clone this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+}
+
+/// The probe's first report in a clone's console log: its VM generation ID.
+fn resumed_generation(log: &Path) -> u64 {
+    let deadline = Instant::now() + probe::TIMEOUT;
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(r) = probe::reports(&text).into_iter().find(|r| r.0 == "resumed") {
+            return r.1;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} never reported: {text}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The processes whose stderr is `log` (a clone's stderr is its console log).
+fn processes_writing(log: &Path) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if std::fs::read_link(entry.path().join("fd/2")).is_ok_and(|p| p == log) && alive(pid) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Inodes of the memfds a process holds open or maps.
+fn memfd_inodes(pid: u32) -> Vec<u64> {
+    let mut inodes = Vec::new();
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+    {
+        if std::fs::read_link(fd.path()).is_ok_and(|p| p.to_string_lossy().contains("memfd:")) {
+            if let Ok(meta) = std::fs::metadata(fd.path()) {
+                inodes.push(meta.ino());
+            }
+        }
+    }
+    for line in std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap()
+        .lines()
+    {
+        if line.contains("memfd:") {
+            if let Some(inode) = line.split_whitespace().nth(4).and_then(|i| i.parse().ok()) {
+                inodes.push(inode);
+            }
+        }
+    }
+    inodes.sort();
+    inodes.dedup();
+    inodes
+}
+
+#[test]
+fn clones_run_as_processes_of_their_own_with_their_own_names_and_generations() {
+    let dir = TestDir::new("fork-zygote");
+    let sock = dir.join("p.sock");
+    let mut parent = probe::boot(64, &sock, "p");
+    let clones = fork(&sock, 4);
+    let names: Vec<&str> = clones.iter().map(|c| c.0.as_str()).collect();
+    assert_eq!(names, ["p-0", "p-1", "p-2", "p-3"]);
+    let mut generations = Vec::new();
+    for (name, pid, log) in &clones {
+        assert!(alive(*pid), "{name} is not running");
+        // Not the parent VMM's child: the zygote made it, and it outlives the fork.
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let ppid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("PPid:"))
+            .unwrap()
+            .trim()
+            .to_string();
+        assert_ne!(ppid, parent.pid().to_string(), "{name}");
+        generations.push(resumed_generation(log));
+        let (status, vm) = request(&dir.join(&format!("{name}.sock")), "GET", "/vm", None);
+        assert_eq!(status, 200, "{vm}");
+        assert_eq!(vm["name"], name.as_str(), "{vm}");
+        assert_eq!(vm["origin"], "fork of p", "{vm}");
+        assert_eq!(vm["parent"], "p", "{vm}");
+    }
+    generations.sort();
+    generations.dedup();
+    assert_eq!(
+        generations.len(),
+        4,
+        "every clone has its own generation ID"
+    );
+    // One clone killed takes no other down, nor the parent.
+    kill(clones[0].1);
+    std::thread::sleep(Duration::from_millis(200));
+    for (name, pid, _) in &clones[1..] {
+        assert!(alive(*pid), "{name} died with its sibling");
+    }
+    assert_eq!(request(&sock, "GET", "/vm", None).0, 200);
+    for (_, pid, _) in &clones {
+        kill(*pid);
+    }
+    parent.signal(libc::SIGTERM);
+    parent.wait_exit(TIMEOUT);
+}
+
+#[test]
+fn a_lazy_restore_still_loading_its_memory_can_be_forked() {
+    let dir = TestDir::new("fork-lazy");
+    // 512 MiB, all of it written: the restored VM's handler has a long prefetch to do.
+    let sock = dir.join("l.sock");
+    let mut vm = Guest::start(&[
+        "run",
+        "--probe",
+        "--kernel",
+        probe::ELF,
+        "--mem-mib",
+        "512",
+        "--cmdline",
+        "touch=100",
+        "--console",
+        "/dev/null",
+        "--name",
+        "l",
+        "--api-sock",
+        &sock.to_string_lossy(),
+    ]);
+    assert!(
+        vm.wait_stderr("mayfly-probe: waiting", probe::TIMEOUT),
+        "{}",
+        vm.stderr()
+    );
+    // A run through once, so that the snapshot records the whole working set.
+    let snap = dir.join("snap");
+    assert_eq!(request(&sock, "PUT", "/vm/pause", None).0, 204);
+    let (status, body) = request(
+        &sock,
+        "PUT",
+        "/vm/snapshot",
+        Some(serde_json::json!({ "path": snap })),
+    );
+    assert_eq!(status, 200, "{body}");
+    vm.signal(libc::SIGTERM);
+    vm.wait_exit(TIMEOUT);
+
+    let rsock = dir.join("r.sock");
+    let mut restored = Guest::start(&[
+        "restore",
+        &snap.to_string_lossy(),
+        "--memory",
+        "lazy",
+        "--console",
+        "/dev/null",
+        "--api-sock",
+        &rsock.to_string_lossy(),
+    ]);
+    // Fork as soon as the socket answers: the prefetch of 512 MiB is still under way.
+    let deadline = Instant::now() + TIMEOUT;
+    while api::request_with_timeout(&rsock, "GET", "/vm", None, TIMEOUT).is_err() {
+        assert!(Instant::now() < deadline, "{}", restored.stderr());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let clones = fork(&rsock, 1);
+    // The parent carries on and reads back every page it wrote, and so does the clone.
+    assert!(
+        restored.wait_stderr("mayfly-probe: verified", probe::TIMEOUT),
+        "{}",
+        restored.stderr()
+    );
+    assert!(
+        !restored.stderr().contains("mismatch"),
+        "{}",
+        restored.stderr()
+    );
+    assert_eq!(request(&rsock, "GET", "/vm", None).0, 200);
+    let log = &clones[0].2;
+    let deadline = Instant::now() + probe::TIMEOUT;
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let reports = probe::reports(&text);
+        assert!(!reports.iter().any(|r| r.0 == "mismatch"), "{text}");
+        if reports.iter().any(|r| r.0 == "verified") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the clone never verified: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    kill(clones[0].1);
+    restored.signal(libc::SIGTERM);
+    restored.wait_exit(TIMEOUT);
+}
+
+#[test]
+fn a_clone_of_a_clone_holds_nothing_of_its_grandparent() {
+    let dir = TestDir::new("fork-grandchild");
+    let sock = dir.join("g.sock");
+    let mut grandparent = probe::boot(64, &sock, "g");
+    let child = fork(&sock, 1).remove(0);
+    resumed_generation(&child.2);
+    let grandchild = fork(&dir.join("g-0.sock"), 1).remove(0);
+    assert_eq!(grandchild.0, "g-0-0");
+    resumed_generation(&grandchild.2);
+    // The grandparent's guest RAM is the child's base: the child holds it, the grandchild
+    // (whose base is the child's memory, copied) must not.
+    let theirs = memfd_inodes(grandparent.pid());
+    assert!(!theirs.is_empty());
+    let mine = memfd_inodes(grandchild.1);
+    assert!(!mine.is_empty(), "the grandchild maps its own base");
+    for inode in &mine {
+        assert!(
+            !theirs.contains(inode),
+            "the grandchild pins its grandparent's memory (inode {inode})"
+        );
+    }
+    kill(grandchild.1);
+    kill(child.1);
+    grandparent.signal(libc::SIGTERM);
+    grandparent.wait_exit(TIMEOUT);
+}
+
+#[test]
+fn a_restored_parent_numbers_its_clones_on_and_leaves_the_live_ones_alone() {
+    let dir = TestDir::new("fork-renumber");
+    let sock = dir.join("n.sock");
+    let mut parent = probe::boot(64, &sock, "n");
+    let first = fork(&sock, 1).remove(0);
+    assert_eq!(first.0, "n-0");
+    resumed_generation(&first.2);
+    let log_before = std::fs::read(&first.2).unwrap();
+    assert_eq!(request(&sock, "PUT", "/vm/pause", None).0, 204);
+    let snap = dir.join("snap");
+    let (status, body) = request(
+        &sock,
+        "PUT",
+        "/vm/snapshot",
+        Some(serde_json::json!({ "path": snap })),
+    );
+    assert_eq!(status, 200, "{body}");
+    parent.signal(libc::SIGTERM);
+    parent.wait_exit(TIMEOUT);
+
+    // Restored beside its live clone: its next clone is n-1, and n-0's files are untouched.
+    let rsock = dir.join("n-again.sock");
+    let mut restored = Guest::start(&[
+        "restore",
+        &snap.to_string_lossy(),
+        "--console",
+        "/dev/null",
+        "--api-sock",
+        &rsock.to_string_lossy(),
+    ]);
+    probe::wait_report(&restored, "resumed");
+    let second = fork(&rsock, 1).remove(0);
+    assert_eq!(second.0, "n-1");
+    resumed_generation(&second.2);
+    assert!(alive(first.1), "n-0 still runs");
+    let log_after = std::fs::read(&first.2).unwrap();
+    assert!(
+        log_after.starts_with(&log_before),
+        "n-0's log was written over: {}",
+        String::from_utf8_lossy(&log_after)
+    );
+    assert!(std::fs::metadata(dir.join("n-0.in"))
+        .unwrap()
+        .file_type()
+        .is_fifo());
+    kill(first.1);
+    kill(second.1);
+    restored.signal(libc::SIGTERM);
+    restored.wait_exit(TIMEOUT);
+}
+
+#[test]
+fn a_fork_that_fails_half_way_kills_the_clones_it_started_and_names_the_one_that_failed() {
+    // A directory whose path makes a Unix socket path of 107 bytes (the most there is) for the
+    // vsock socket of clones 0 to 9, and one byte too many for clone 10's.
+    let base = TestDir::new("fork-half");
+    let target = 97;
+    let mut dir = base.0.clone();
+    let room = target - dir.as_os_str().len() - 1;
+    assert!(
+        room > 0 && room < 200,
+        "temp dir path too long for this test"
+    );
+    dir.push("d".repeat(room));
+    std::fs::create_dir_all(&dir).unwrap();
+    assert_eq!(dir.as_os_str().len(), target);
+    let sock = dir.join("h.sock");
+    let vsock = base.join("h.vsock");
+    let mut parent = Guest::start(&[
+        "run",
+        "--probe",
+        "--kernel",
+        probe::ELF,
+        "--mem-mib",
+        "64",
+        "--cmdline",
+        "touch=1",
+        "--console",
+        "/dev/null",
+        "--name",
+        "h",
+        "--api-sock",
+        &sock.to_string_lossy(),
+        "--vsock",
+        &vsock.to_string_lossy(),
+    ]);
+    assert!(
+        parent.wait_stderr("mayfly-probe: waiting", probe::TIMEOUT),
+        "{}",
+        parent.stderr()
+    );
+    let (status, body) = request(
+        &sock,
+        "PUT",
+        "/vm/fork",
+        Some(serde_json::json!({ "count": 11 })),
+    );
+    assert_eq!(status, 500, "{body}");
+    let error = body["error"].as_str().unwrap_or_default().to_string();
+    assert!(error.contains("clone h-10 did not start"), "{error}");
+    // Every clone that did start was killed (through its pidfd).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for n in 0..10 {
+        let log = dir.join(format!("h-{n}.log"));
+        while !processes_writing(&log).is_empty() {
+            assert!(Instant::now() < deadline, "h-{n} still runs");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    // The parent runs on.
+    assert_eq!(request(&sock, "GET", "/vm", None).0, 200);
+    parent.signal(libc::SIGTERM);
+    parent.wait_exit(TIMEOUT);
+}
