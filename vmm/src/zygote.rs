@@ -197,6 +197,8 @@ struct Pending {
     info: CloneInfo,
     log: Option<File>,
     pidfd: Option<OwnedFd>,
+    /// The zygote said whether it made this clone's process.
+    answered: bool,
     outcome: Option<Result<(), String>>,
 }
 
@@ -270,6 +272,7 @@ fn follow(
                     info,
                     log: Some(log),
                     pidfd: None,
+                    answered: false,
                     outcome: None,
                 },
             )
@@ -277,9 +280,12 @@ fn follow(
         .collect();
     let mut unsent = order.iter().copied().peekable();
     let mut open = order.len();
+    // Clones the zygote has not yet answered for (Forked or NotForked): a clone may report
+    // Ready before the zygote's Forked (with its pid) arrives, and the answer needs the pid.
+    let mut unforked = order.len();
     let mut unusable = None;
     let mut buf = vec![0u8; MAX_MESSAGE];
-    while open > 0 && unusable.is_none() {
+    while (open > 0 || unforked > 0) && unusable.is_none() {
         let remaining = deadline.saturating_duration_since(Instant::now());
         if remaining.is_zero() {
             break;
@@ -346,30 +352,35 @@ fn follow(
         let Ok(message) = serde_json::from_slice::<Message>(&buf[..len]) else {
             continue;
         };
-        let mut settle = |index: u32, outcome: Result<(), String>| {
-            if let Some(entry) = pending.get_mut(&index) {
-                if entry.outcome.is_none() {
-                    if outcome.is_ok() {
-                        entry.info.ready_ms = since.elapsed().as_secs_f64() * 1e3;
-                    }
-                    entry.outcome = Some(outcome);
-                    open -= 1;
-                }
-            }
-        };
         match message {
             Message::Unusable { reason } => unusable = Some(reason),
             Message::Forked { index, pid } => {
                 if let Some(entry) = pending.get_mut(&index) {
+                    if !entry.answered {
+                        entry.answered = true;
+                        unforked -= 1;
+                    }
                     entry.info.pid = pid;
                     entry.pidfd = fd.map(OwnedFd::from);
                 }
             }
-            Message::NotForked { index, reason } | Message::Failed { index, reason } => {
-                settle(index, Err(reason))
+            Message::NotForked { index, reason } => {
+                if let Some(entry) = pending.get_mut(&index) {
+                    if !entry.answered {
+                        entry.answered = true;
+                        unforked -= 1;
+                    }
+                }
+                settle(&mut pending, &mut open, since, index, Err(reason))
             }
-            Message::Ready { index } => settle(index, Ok(())),
+            Message::Failed { index, reason } => {
+                settle(&mut pending, &mut open, since, index, Err(reason))
+            }
+            Message::Ready { index } => settle(&mut pending, &mut open, since, index, Ok(())),
             Message::Exited { index, status } => settle(
+                &mut pending,
+                &mut open,
+                since,
                 index,
                 Err(format!("its process ended ({status}) before it reported")),
             ),
@@ -406,6 +417,25 @@ fn follow(
                 }
             }
             Err(err)
+        }
+    }
+}
+
+/// Record how a clone ended up (the first word counts).
+fn settle(
+    pending: &mut HashMap<u32, Pending>,
+    open: &mut usize,
+    since: Instant,
+    index: u32,
+    outcome: Result<(), String>,
+) {
+    if let Some(entry) = pending.get_mut(&index) {
+        if entry.outcome.is_none() {
+            if outcome.is_ok() {
+                entry.info.ready_ms = since.elapsed().as_secs_f64() * 1e3;
+            }
+            entry.outcome = Some(outcome);
+            *open -= 1;
         }
     }
 }
