@@ -67,6 +67,24 @@ pub fn mayfly_output(args: &[&str], timeout: Duration) -> std::process::Output {
     child.wait_with_output().expect("collect mayfly's output")
 }
 
+/// One request to a VM's control socket that must get an answer (within 60 s): its status and
+/// JSON body.
+pub fn request(
+    sock: &Path,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> (u16, serde_json::Value) {
+    mayfly_vmm::api::request_with_timeout(
+        sock,
+        method,
+        path,
+        body.as_ref(),
+        Duration::from_secs(60),
+    )
+    .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
 /// A directory for one test, removed when dropped.
 pub struct TestDir(pub PathBuf);
 

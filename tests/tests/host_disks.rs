@@ -8,21 +8,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use mayfly_devices::disk::LayerInfo;
-use mayfly_tests::guest::{mayfly_output, Guest, TestDir};
+use mayfly_tests::guest::{mayfly_output, request, Guest, TestDir};
 use mayfly_tests::probe;
-use mayfly_vmm::api;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-fn request(
-    sock: &Path,
-    method: &str,
-    path: &str,
-    body: Option<serde_json::Value>,
-) -> (u16, serde_json::Value) {
-    api::request_with_timeout(sock, method, path, body.as_ref(), TIMEOUT)
-        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
-}
 
 /// A base image of `mib` MiB with content that is not all zeros.
 fn base_image(dir: &TestDir, mib: usize) -> PathBuf {

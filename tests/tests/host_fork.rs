@@ -7,21 +7,11 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use mayfly_tests::guest::{Guest, TestDir};
+use mayfly_tests::guest::{request, Guest, TestDir};
 use mayfly_tests::probe;
 use mayfly_vmm::api;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-fn request(
-    sock: &Path,
-    method: &str,
-    path: &str,
-    body: Option<serde_json::Value>,
-) -> (u16, serde_json::Value) {
-    api::request_with_timeout(sock, method, path, body.as_ref(), TIMEOUT)
-        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
-}
 
 /// A fork of `count` clones that must succeed: (name, pid, console log) of each.
 fn fork(sock: &Path, count: u32) -> Vec<(String, u32, PathBuf)> {

@@ -8,21 +8,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use mayfly_snapshot::{MemoryRange, VmState};
-use mayfly_tests::guest::{mayfly_bin, mayfly_output, Guest, TestDir};
+use mayfly_tests::guest::{mayfly_bin, mayfly_output, request, Guest, TestDir};
 use mayfly_tests::probe;
-use mayfly_vmm::api;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-fn request(
-    sock: &Path,
-    method: &str,
-    path: &str,
-    body: Option<serde_json::Value>,
-) -> (u16, serde_json::Value) {
-    api::request_with_timeout(sock, method, path, body.as_ref(), TIMEOUT)
-        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
-}
 
 /// Boot a probe VM named `name` and snapshot it into `dir/snap`; the VM is stopped after.
 fn probe_snapshot(dir: &TestDir, name: &str) -> PathBuf {
