@@ -72,6 +72,8 @@ fn resumed_generation(log: &Path) -> u64 {
 
 /// The processes whose stderr is `log` (a clone's stderr is its console log).
 fn processes_writing(log: &Path) -> Vec<u32> {
+    // /proc shows the path a descriptor was opened by, resolved.
+    let log = log.canonicalize().unwrap_or_else(|_| log.to_path_buf());
     let mut pids = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
@@ -132,6 +134,9 @@ fn clones_run_as_processes_of_their_own_with_their_own_names_and_generations() {
             .trim()
             .to_string();
         assert_ne!(ppid, parent.pid().to_string(), "{name}");
+        // `ps` and `top` show it by its name, not as the zygote it was forked from.
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap();
+        assert_eq!(comm.trim_end(), name.as_str());
         generations.push(resumed_generation(log));
         let (status, vm) = request(&dir.join(&format!("{name}.sock")), "GET", "/vm", None);
         assert_eq!(status, 200, "{vm}");
@@ -378,6 +383,14 @@ fn a_fork_that_fails_half_way_kills_the_clones_it_started_and_names_the_one_that
     assert_eq!(status, 500, "{body}");
     let error = body["error"].as_str().unwrap_or_default().to_string();
     assert!(error.contains("clone h-10 did not start"), "{error}");
+    // Clones h-0 to h-9 had been made (each request is served in order, and h-10's came
+    // after theirs), and the fork killed them.
+    let killed: usize = error
+        .split_once("stopped (")
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count of killed processes in: {error}"));
+    assert!(killed >= 10, "{error}");
     // Every clone that did start was killed (through its pidfd).
     let deadline = Instant::now() + Duration::from_secs(10);
     for n in 0..10 {
@@ -389,6 +402,98 @@ fn a_fork_that_fails_half_way_kills_the_clones_it_started_and_names_the_one_that
     }
     // The parent runs on.
     assert_eq!(request(&sock, "GET", "/vm", None).0, 200);
+    parent.signal(libc::SIGTERM);
+    parent.wait_exit(TIMEOUT);
+}
+
+/// The cgroup hierarchy with the pids controller this machine has: (its mount point, the
+/// cgroup of this process in it), v2 first.
+fn pids_hierarchy() -> (PathBuf, PathBuf) {
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+    let path = |wanted: &dyn Fn(&str) -> bool| {
+        cgroups.lines().find_map(|line| {
+            let mut parts = line.splitn(3, ':');
+            let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+            wanted(controllers).then(|| path.trim_start_matches('/').to_string())
+        })
+    };
+    let v2 = Path::new("/sys/fs/cgroup/cgroup.subtree_control");
+    if std::fs::read_to_string(v2).is_ok_and(|c| c.split_whitespace().any(|c| c == "pids")) {
+        let mount = PathBuf::from("/sys/fs/cgroup");
+        return (mount.clone(), mount.join(path(&|c| c.is_empty()).unwrap()));
+    }
+    let v1 = PathBuf::from("/sys/fs/cgroup/pids");
+    assert!(
+        v1.join("cgroup.procs").exists(),
+        "this test needs a pids cgroup controller (cgroup v2 with pids enabled at the root, or a v1 pids hierarchy)"
+    );
+    let own = path(&|c| c.split(',').any(|c| c == "pids")).unwrap();
+    (v1.clone(), v1.join(own))
+}
+
+#[test]
+fn forks_beyond_the_vmms_descriptor_and_cgroup_limits_are_refused_before_any_clone_starts() {
+    let dir = TestDir::new("fork-limits");
+    let sock = dir.join("l.sock");
+    let mut parent = probe::boot(64, &sock, "l");
+    let pid = parent.pid().to_string();
+    let refused = |count: u32, what: &str| {
+        let (status, body) = request(
+            &sock,
+            "PUT",
+            "/vm/fork",
+            Some(serde_json::json!({ "count": count })),
+        );
+        assert_eq!(status, 507, "{body}");
+        let error = body["error"].as_str().unwrap_or_default().to_string();
+        assert!(error.contains(what), "{error}");
+        assert!(
+            !dir.join("l-0.log").exists(),
+            "nothing of a clone was made: {error}"
+        );
+    };
+
+    // Descriptors: a console log and a pidfd per clone while they start. Only the soft limit
+    // is lowered (raising a hard limit takes CAP_SYS_RESOURCE, which a container may lack).
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let soft = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .unwrap()
+        .to_string();
+    let prlimit = |soft: &str| {
+        let status = std::process::Command::new("prlimit")
+            .args(["--pid", &pid, &format!("--nofile={soft}:")])
+            .status()
+            .expect("run prlimit (util-linux)");
+        assert!(status.success(), "prlimit --nofile={soft}:");
+    };
+    prlimit("128");
+    refused(100, "RLIMIT_NOFILE");
+    prlimit(&soft);
+
+    // Tasks: the parent in a cgroup of its own with room for a few more.
+    let (_, own) = pids_hierarchy();
+    let cgroup = own.join(format!("mayfly-test-{}", std::process::id()));
+    std::fs::create_dir(&cgroup).unwrap();
+    std::fs::write(cgroup.join("cgroup.procs"), &pid).unwrap();
+    let current: u64 = std::fs::read_to_string(cgroup.join("pids.current"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    std::fs::write(cgroup.join("pids.max"), (current + 20).to_string()).unwrap();
+    refused(10, "pids.max of the cgroup");
+    std::fs::write(own.join("cgroup.procs"), &pid).unwrap();
+    std::fs::remove_dir(&cgroup).unwrap();
+
+    // Back within its limits, the same VM forks.
+    let clones = fork(&sock, 2);
+    assert_eq!(clones.len(), 2);
+    for (_, pid, _) in &clones {
+        kill(*pid);
+    }
     parent.signal(libc::SIGTERM);
     parent.wait_exit(TIMEOUT);
 }

@@ -190,10 +190,10 @@ impl Controller {
                             | ForkError::Name(_)
                             | ForkError::NoSocket => 400,
                             ForkError::NamesInUse { .. } => 409,
-                            ForkError::NotEnoughMemory { .. } | ForkError::NotEnoughPids { .. } => {
-                                507
-                            }
-                            ForkError::ShuttingDown => 409,
+                            ForkError::NotEnoughMemory { .. }
+                            | ForkError::NotEnoughPids { .. }
+                            | ForkError::NotEnoughDescriptors { .. } => 507,
+                            ForkError::ShuttingDown | ForkError::SocketDirNotUtf8(_) => 409,
                             _ => 500,
                         };
                         (Reply::error(status, e.to_string()), None)

@@ -69,15 +69,24 @@ pub enum ForkError {
         needed_mib: u64,
         available_mib: u64,
     },
-    #[error("forking {count} clones needs about {needed} tasks (threads; each takes a pid), and {in_use} of this host's {limit} ({what}) are in use: raise it (sysctl -w {sysctl}=...) or fork fewer")]
+    #[error("forking {count} clones needs about {needed} tasks (threads; each takes a pid), and {in_use} of {limit} allowed by {what} are in use: {raise}, or fork fewer")]
     NotEnoughPids {
         count: u32,
         needed: u64,
         in_use: u64,
         limit: u64,
-        what: &'static str,
-        sysctl: &'static str,
+        what: String,
+        raise: String,
     },
+    #[error("forking {count} clones needs about {needed} open descriptors in this VMM (a console log and a pidfd per clone while they start), and {in_use} of its limit of {limit} (RLIMIT_NOFILE) are in use: raise it (ulimit -n, or LimitNOFILE= for a service), or fork fewer")]
+    NotEnoughDescriptors {
+        count: u32,
+        needed: u64,
+        in_use: u64,
+        limit: u64,
+    },
+    #[error("the directory of the VM's control socket, {0}, is not valid UTF-8: the clones' files go there, and their paths must be passed as text; use a UTF-8 path for --api-sock")]
+    SocketDirNotUtf8(PathBuf),
     #[error("the VM is shutting down: nothing to fork")]
     ShuttingDown,
     #[error("fork needs the VM's control socket (--api-sock): clones put theirs beside it")]
@@ -127,7 +136,8 @@ pub struct ForkReport {
     pub pause_ms: f64,
     pub state_ms: f64,
     pub freeze_ms: f64,
-    /// Until the zygote ran (before it prepared the restore).
+    /// Starting the zygote process (its exec; it then prepares the restore while this VMM
+    /// claims the clones' names, and that time is in `total_ms`).
     pub zygote_ms: f64,
     /// From the request until every clone reported its vCPUs running.
     pub total_ms: f64,
@@ -155,6 +165,165 @@ fn tasks_in_use() -> Option<u64> {
         .ok()
 }
 
+/// A limit on the tasks (threads) that the clones of a fork count against.
+struct TaskLimit {
+    what: String,
+    raise: String,
+    limit: u64,
+    in_use: u64,
+}
+
+/// Every limit a clone's tasks count against: the host's pid and thread limits, the pids.max
+/// of this process's cgroup and each of its ancestors (the zygote and the clones stay in it),
+/// and RLIMIT_NPROC for a VMM that does not run as root (root is not held to it).
+fn task_limits() -> Vec<TaskLimit> {
+    let mut limits = Vec::new();
+    if let Some(in_use) = tasks_in_use() {
+        for sysctl in ["kernel.pid_max", "kernel.threads-max"] {
+            let path = format!("/proc/sys/{}", sysctl.replace('.', "/"));
+            if let Some(limit) = read_number(&path) {
+                limits.push(TaskLimit {
+                    what: sysctl.to_string(),
+                    raise: format!("raise it (sysctl -w {sysctl}=...)"),
+                    limit,
+                    in_use,
+                });
+            }
+        }
+    }
+    for (mount, leaf) in pids_cgroups() {
+        let mut dir = leaf;
+        loop {
+            let max = std::fs::read_to_string(dir.join("pids.max")).ok();
+            let limit = max.as_deref().and_then(|m| m.trim().parse::<u64>().ok());
+            let in_use = read_number(&dir.join("pids.current").to_string_lossy());
+            if let (Some(limit), Some(in_use)) = (limit, in_use) {
+                limits.push(TaskLimit {
+                    what: format!("pids.max of the cgroup {}", dir.display()),
+                    raise: format!("raise it (echo N > {})", dir.join("pids.max").display()),
+                    limit,
+                    in_use,
+                });
+            }
+            if dir == mount || !dir.pop() || !dir.starts_with(&mount) {
+                break;
+            }
+        }
+    }
+    let mut nproc = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: geteuid has no preconditions; getrlimit writes the struct given.
+    let (root, got) = unsafe {
+        (
+            libc::geteuid() == 0,
+            libc::getrlimit(libc::RLIMIT_NPROC, &mut nproc) == 0,
+        )
+    };
+    if !root && got && nproc.rlim_cur != libc::RLIM_INFINITY {
+        limits.push(TaskLimit {
+            what: "RLIMIT_NPROC of this user".into(),
+            raise: "raise it (ulimit -u)".into(),
+            limit: nproc.rlim_cur,
+            in_use: user_tasks(),
+        });
+    }
+    limits
+}
+
+/// The cgroups whose pids controller this process is in: (where the hierarchy is mounted,
+/// this process's cgroup in it), for the cgroup v2 hierarchy and a cgroup v1 `pids` one.
+fn pids_cgroups() -> Vec<(PathBuf, PathBuf)> {
+    let (Ok(mountinfo), Ok(cgroups)) = (
+        std::fs::read_to_string("/proc/self/mountinfo"),
+        std::fs::read_to_string("/proc/self/cgroup"),
+    ) else {
+        return Vec::new();
+    };
+    // /proc/self/cgroup: "hierarchy-ID:controllers:path"; "0::path" is cgroup v2.
+    let path_of = |v2: bool| {
+        cgroups.lines().find_map(|line| {
+            let mut parts = line.splitn(3, ':');
+            let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+            let wanted = if v2 {
+                controllers.is_empty()
+            } else {
+                controllers.split(',').any(|c| c == "pids")
+            };
+            wanted.then(|| path.trim_start_matches('/').to_string())
+        })
+    };
+    let mut found = Vec::new();
+    for line in mountinfo.lines() {
+        // "... mount-point options ... - fstype source super-options"
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let Some(mount) = left.split_whitespace().nth(4) else {
+            continue;
+        };
+        let mut right = right.split_whitespace();
+        let (fstype, super_options) = (right.next(), right.nth(1).unwrap_or(""));
+        let v2 = match fstype {
+            Some("cgroup2") => true,
+            Some("cgroup") if super_options.split(',').any(|o| o == "pids") => false,
+            _ => continue,
+        };
+        if let Some(path) = path_of(v2) {
+            let mount = PathBuf::from(mount);
+            found.push((mount.clone(), mount.join(path)));
+        }
+    }
+    found
+}
+
+/// Tasks (threads) of this process's real user, from /proc.
+fn user_tasks() -> u64 {
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() }.to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| std::fs::read_to_string(entry.path().join("status")).ok())
+        .filter(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|ids| ids.split_whitespace().next())
+                == Some(uid.as_str())
+        })
+        .filter_map(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("Threads:"))
+                .and_then(|n| n.trim().parse::<u64>().ok())
+        })
+        .sum()
+}
+
+/// Descriptors a fork needs besides two per clone (the zygote's socket and pidfd, the state
+/// and base, the request being served).
+const DESCRIPTOR_MARGIN: u64 = 32;
+
+/// This VMM's open descriptors and its RLIMIT_NOFILE.
+fn descriptors() -> Option<(u64, u64)> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct given; the result is checked.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0
+        || limit.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
+    }
+    let open = std::fs::read_dir("/proc/self/fd").ok()?.count();
+    Some((u64::try_from(open).ok()?, limit.rlim_cur))
+}
+
 /// Check a request before anything happens to the VM.
 fn check(vm: &Machine, dir: Option<&Path>, request: &ForkRequest) -> Result<(), ForkError> {
     if request.count == 0 {
@@ -176,41 +345,37 @@ fn check(vm: &Machine, dir: Option<&Path>, request: &ForkRequest) -> Result<(), 
         }
     }
     let needed = u64::from(request.count) * (u64::from(vm.info.vcpu_count) + CLONE_TASKS);
-    if let Some(in_use) = tasks_in_use() {
-        for (what, sysctl, path) in [
-            (
-                "kernel.pid_max",
-                "kernel.pid_max",
-                "/proc/sys/kernel/pid_max",
-            ),
-            (
-                "kernel.threads-max",
-                "kernel.threads-max",
-                "/proc/sys/kernel/threads-max",
-            ),
-        ] {
-            let Some(limit) = read_number(path) else {
-                continue;
-            };
-            if in_use + needed > limit {
-                return Err(ForkError::NotEnoughPids {
-                    count: request.count,
-                    needed,
-                    in_use,
-                    limit,
-                    what,
-                    sysctl,
-                });
-            }
+    for limit in task_limits() {
+        if limit.in_use + needed > limit.limit {
+            return Err(ForkError::NotEnoughPids {
+                count: request.count,
+                needed,
+                in_use: limit.in_use,
+                limit: limit.limit,
+                what: limit.what,
+                raise: limit.raise,
+            });
+        }
+    }
+    if let Some((in_use, limit)) = descriptors() {
+        let needed = 2 * u64::from(request.count) + DESCRIPTOR_MARGIN;
+        if in_use + needed > limit {
+            return Err(ForkError::NotEnoughDescriptors {
+                count: request.count,
+                needed,
+                in_use,
+                limit,
+            });
         }
     }
     if let Some(prefix) = &request.name_prefix {
         crate::identity::check_name(&format!("{prefix}0"))?;
     }
-    if dir.is_none() {
-        return Err(ForkError::NoSocket);
+    match dir {
+        None => Err(ForkError::NoSocket),
+        Some(dir) if dir.to_str().is_none() => Err(ForkError::SocketDirNotUtf8(dir.into())),
+        Some(_) => Ok(()),
     }
-    Ok(())
 }
 
 /// A memfd holding `bytes`, sealed so no one can change it.

@@ -87,9 +87,11 @@ enum Message {
     Exited { index: u32, status: String },
 }
 
-/// Longest message: a clone's failure, cut to fit (the rest is in its console log).
-const MAX_MESSAGE: usize = 16 << 10;
-const MAX_REASON: usize = 4 << 10;
+/// Longest message either side sends or takes (the socket's default send buffer holds a
+/// few). A reason is cut to `MAX_REASON` bytes first, so even escaped six to a byte in JSON it
+/// fits; a request whose paths do not fit is refused before it is sent.
+const MAX_MESSAGE: usize = 64 << 10;
+const MAX_REASON: usize = 2 << 10;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ZygoteError {
@@ -100,21 +102,47 @@ pub enum ZygoteError {
     },
     #[error("the fork's snapshot cannot be restored on this host: {0}")]
     Unusable(String),
-    #[error("clone {name} did not start: {reason} (its console log: {log})")]
+    #[error("clone {name} did not start: {reason} (its console log: {log}); the fork's other clones were stopped ({killed} processes killed)")]
     CloneFailed {
         name: String,
         reason: String,
         log: PathBuf,
+        /// Processes of this fork killed for it (the failed clone's own included, if made).
+        killed: usize,
     },
+    #[error(
+        "the fork's zygote broke its protocol: {0} (this is a bug in mayfly; please report it)"
+    )]
+    Protocol(&'static str),
 }
 
 fn io(what: &'static str) -> impl FnOnce(std::io::Error) -> ZygoteError {
     move |source| ZygoteError::Io { what, source }
 }
 
-fn encode(message: &Message) -> Vec<u8> {
-    // A Message always serialises (plain data, string keys).
-    serde_json::to_vec(message).unwrap_or_default()
+/// A message as sent, or `None` if it cannot be (a path that is not UTF-8, or more than
+/// `MAX_MESSAGE` bytes of it).
+fn encode(message: &Message) -> Option<Vec<u8>> {
+    serde_json::to_vec(message)
+        .ok()
+        .filter(|bytes| bytes.len() <= MAX_MESSAGE)
+}
+
+/// `reason` cut to at most `MAX_REASON` bytes, at a character boundary.
+fn cut(reason: &str) -> String {
+    let mut end = reason.len().min(MAX_REASON);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    reason[..end].to_string()
+}
+
+/// Send a message that always encodes (no paths in it; its reason cut); errors are the
+/// receiver's to notice (it then fails the clone for want of a word).
+fn send(socket: &UnixDatagram, message: &Message) {
+    if let Some(bytes) = encode(message) {
+        let _ = socket.send(&bytes);
+    }
 }
 
 /// A connected SOCK_SEQPACKET pair, close-on-exec. std has no seqpacket type; a datagram
@@ -142,7 +170,55 @@ fn seqpacket_pair() -> std::io::Result<(UnixDatagram, UnixDatagram)> {
     }
 }
 
-/// Send `signal` to the process behind `pidfd` (nothing happens if it has ended, even if its
+/// What one read of the fork's socket got.
+enum Received {
+    /// A message of this many bytes, and the descriptor sent with it (close-on-exec).
+    Message(usize, Option<OwnedFd>),
+    /// A message longer than the buffer, or with more descriptors than one: never sent by
+    /// mayfly. Any descriptor that came with it is returned (a pidfd then names a process
+    /// that must not be left running).
+    Truncated(Vec<OwnedFd>),
+    /// Every sender has closed its end.
+    End,
+}
+
+/// Read one message without blocking past what the socket's mode says. Descriptors arrive
+/// close-on-exec (MSG_CMSG_CLOEXEC), so a clone started meanwhile cannot inherit them.
+fn receive(socket: &UnixDatagram, buf: &mut [u8]) -> std::io::Result<Received> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    let mut space = nix::cmsg_space!([RawFd; 2]);
+    let mut iov = [std::io::IoSliceMut::new(buf)];
+    let msg = recvmsg::<()>(
+        socket.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )
+    .map_err(std::io::Error::from)?;
+    let mut fds = Vec::new();
+    for cmsg in msg.cmsgs() {
+        if let ControlMessageOwned::ScmRights(raw) = cmsg {
+            // SAFETY: SCM_RIGHTS gave this process new descriptors that nothing else owns.
+            fds.extend(
+                raw.into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
+        }
+    }
+    let truncated = msg
+        .flags
+        .intersects(MsgFlags::MSG_TRUNC | MsgFlags::MSG_CTRUNC);
+    let len = msg.bytes;
+    if truncated || fds.len() > 1 {
+        return Ok(Received::Truncated(fds));
+    }
+    if len == 0 && fds.is_empty() {
+        return Ok(Received::End);
+    }
+    Ok(Received::Message(len, fds.pop()))
+}
+
+/// Send SIGKILL to the process behind `pidfd` (nothing happens if it has ended, even if its
 /// pid is in use again).
 fn pidfd_kill(pidfd: &OwnedFd) {
     // SAFETY: pidfd_send_signal on a pidfd this process owns; no siginfo.
@@ -155,6 +231,42 @@ fn pidfd_kill(pidfd: &OwnedFd) {
             0,
         )
     };
+}
+
+/// A pidfd for `pid`, close-on-exec.
+fn pidfd_open(pid: libc::pid_t) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_open on a pid; the result is checked. Its pidfds are close-on-exec.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let fd = RawFd::try_from(fd).map_err(|_| std::io::Error::from_raw_os_error(libc::EBADF))?;
+    // SAFETY: pidfd_open returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Wait up to `timeout` for the descriptors in `fds` (for `events`); returns the `revents`
+/// of each (all 0 on a timeout; EINTR counts as one).
+fn poll(fds: &[(RawFd, libc::c_short)], timeout: Duration) -> std::io::Result<Vec<libc::c_short>> {
+    let mut polls: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&(fd, events)| libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        })
+        .collect();
+    let wait_ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+    let count = libc::nfds_t::try_from(polls.len()).unwrap_or(libc::nfds_t::MAX);
+    // SAFETY: poll on a vector of pollfds it may write `revents` of; the result is checked.
+    let n = unsafe { libc::poll(polls.as_mut_ptr(), count, wait_ms) };
+    if n < 0 {
+        let err = std::io::Error::last_os_error();
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+    Ok(polls.iter().map(|p| p.revents).collect())
 }
 
 /// A descriptor duplicated for a child to inherit (not close-on-exec); closed when dropped.
@@ -181,13 +293,25 @@ impl Inherited {
 /// The forking VMM's side: a zygote started for one fork.
 pub struct Zygote {
     process: Child,
+    /// The zygote's own pidfd: its end is seen at once, whatever it was doing.
+    pidfd: OwnedFd,
     /// Closed first when the fork is done: the end of the stream tells the zygote to exit.
     socket: Option<UnixDatagram>,
 }
 
+/// How long a zygote told to exit (its socket closed) may take before it is killed.
+const EXIT_GRACE: Duration = Duration::from_secs(2);
+
 impl Drop for Zygote {
     fn drop(&mut self) {
+        // The end of the stream tells the zygote to exit; one that does not (stuck, or
+        // stopped) is killed, so that dropping it never hangs the VMM.
         drop(self.socket.take());
+        let exited = poll(&[(self.pidfd.as_raw_fd(), libc::POLLIN)], EXIT_GRACE)
+            .is_ok_and(|revents| revents[0] != 0);
+        if !exited {
+            let _ = self.process.kill();
+        }
         let _ = self.process.wait();
     }
 }
@@ -197,7 +321,8 @@ struct Pending {
     info: CloneInfo,
     log: Option<File>,
     pidfd: Option<OwnedFd>,
-    /// The zygote said whether it made this clone's process.
+    /// The zygote said whether it made this clone's process (Forked or NotForked), or can no
+    /// longer say.
     answered: bool,
     outcome: Option<Result<(), String>>,
 }
@@ -215,7 +340,7 @@ impl Zygote {
             Inherited::dup(&theirs)?,
         ];
         let exe = std::env::current_exe().map_err(io("find the mayfly binary"))?;
-        let process = Command::new(exe)
+        let mut process = Command::new(exe)
             .arg("zygote")
             .args(["--state-fd", &inherit[0].arg()])
             .args(["--memory-fd", &inherit[1].arg()])
@@ -229,213 +354,470 @@ impl Zygote {
             .map_err(io("start the fork's zygote"))?;
         drop(inherit);
         drop(theirs);
-        socket
+        // Not yet waited for, so the pid is still the zygote's.
+        let pidfd = match libc::pid_t::try_from(process.id())
+            .map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))
+            .and_then(pidfd_open)
+        {
+            Ok(pidfd) => pidfd,
+            Err(err) => {
+                let _ = process.kill();
+                let _ = process.wait();
+                return Err(io("follow the fork's zygote (pidfd_open)")(err));
+            }
+        };
+        let zygote = Self {
+            process,
+            pidfd,
+            socket: Some(socket),
+        };
+        zygote
+            .socket
+            .as_ref()
+            .expect("just set")
             .set_nonblocking(true)
             .map_err(io("set up the fork's socket"))?;
-        Ok(Self {
-            process,
-            socket: Some(socket),
-        })
+        Ok(zygote)
     }
 
     /// Steps 3 and 4, the forking VMM's side: ask for every clone (each with its console log)
-    /// and follow them until each runs or fails, or `timeout` passes. On any failure every
-    /// clone of this fork is killed and the first failure returned. The zygote ends either way.
-    /// `since` is when the fork was asked for (each clone's `ready_ms` counts from it).
+    /// and follow them until each runs or one fails, or `timeout` passes. On any failure the
+    /// zygote and every clone of this fork are killed and the first failure returned; on
+    /// success the zygote is told to exit and the clones live on. `since` is when the fork
+    /// was asked for (each clone's `ready_ms` counts from it).
     pub fn start_clones(
-        self,
+        mut self,
         parent: &str,
         clones: Vec<(CloneInfo, File)>,
         since: Instant,
         timeout: Duration,
     ) -> Result<Vec<CloneInfo>, ZygoteError> {
-        let socket = self.socket.as_ref().expect("open until dropped");
-        follow(socket, parent, clones, since, timeout)
+        let socket = self.socket.take().expect("open until start_clones");
+        match follow(&socket, &self.pidfd, parent, clones, since, timeout) {
+            Ok(started) => {
+                drop(socket);
+                drop(self);
+                let (infos, pidfds): (Vec<CloneInfo>, Vec<OwnedFd>) = started.into_iter().unzip();
+                reaper::adopt(pidfds);
+                Ok(infos)
+            }
+            Err(mut err) => {
+                // Clones that have not reported yet die with the zygote (their parent-death
+                // signal); those whose pidfd was still on its way are killed from the queue.
+                let _ = self.process.kill();
+                let _ = self.process.wait();
+                let queued = kill_queued(&socket);
+                if let ZygoteError::CloneFailed { killed, .. } = &mut err {
+                    *killed += queued;
+                }
+                Err(err)
+            }
+        }
     }
 }
 
-fn follow(
-    socket: &UnixDatagram,
-    parent: &str,
-    clones: Vec<(CloneInfo, File)>,
-    since: Instant,
-    timeout: Duration,
-) -> Result<Vec<CloneInfo>, ZygoteError> {
-    let deadline = Instant::now() + timeout;
-    let order: Vec<u32> = clones.iter().map(|(info, _)| info.index).collect();
-    let mut pending: HashMap<u32, Pending> = clones
-        .into_iter()
-        .map(|(info, log)| {
-            (
-                info.index,
-                Pending {
-                    info,
-                    log: Some(log),
-                    pidfd: None,
-                    answered: false,
-                    outcome: None,
-                },
-            )
-        })
-        .collect();
-    let mut unsent = order.iter().copied().peekable();
-    let mut open = order.len();
-    // Clones the zygote has not yet answered for (Forked or NotForked): a clone may report
-    // Ready before the zygote's Forked (with its pid) arrives, and the answer needs the pid.
-    let mut unforked = order.len();
-    let mut unusable = None;
+/// Kill every process whose pidfd is still queued on the fork's socket; returns how many.
+fn kill_queued(socket: &UnixDatagram) -> usize {
     let mut buf = vec![0u8; MAX_MESSAGE];
-    while (open > 0 || unforked > 0) && unusable.is_none() {
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        if remaining.is_zero() {
-            break;
-        }
-        let mut events = libc::POLLIN;
-        if unsent.peek().is_some() {
-            events |= libc::POLLOUT;
-        }
-        let mut poll = libc::pollfd {
-            fd: socket.as_raw_fd(),
-            events,
-            revents: 0,
+    let mut killed = 0;
+    loop {
+        let fds = match receive(socket, &mut buf) {
+            Ok(Received::Message(_, fd)) => fd.into_iter().collect(),
+            Ok(Received::Truncated(fds)) => fds,
+            Ok(Received::End) | Err(_) => return killed,
         };
-        let wait_ms = i32::try_from(remaining.as_millis()).unwrap_or(i32::MAX);
-        // SAFETY: poll on one pollfd we own; the result is checked.
-        let n = unsafe { libc::poll(&mut poll, 1, wait_ms) };
-        if n < 0 {
-            let err = std::io::Error::last_os_error();
-            if err.kind() == std::io::ErrorKind::Interrupted {
-                continue;
+        fds.iter().for_each(pidfd_kill);
+        killed += fds.len();
+    }
+}
+
+/// The forking VMM's record of a fork in progress.
+struct Follow {
+    pending: HashMap<u32, Pending>,
+    /// Clones not yet settled (Ready, or failed).
+    open: usize,
+    /// Clones the zygote has not yet answered for (Forked or NotForked): a clone may report
+    /// Ready before the zygote's Forked (with its pid) arrives, and the answer needs the pid.
+    unanswered: usize,
+    since: Instant,
+    /// The first failure: it ends the fork.
+    failure: Option<ZygoteError>,
+}
+
+impl Follow {
+    /// Record that the zygote has answered (or can no longer answer) for a clone.
+    fn answer(&mut self, index: u32) {
+        if let Some(entry) = self.pending.get_mut(&index) {
+            if !entry.answered {
+                entry.answered = true;
+                self.unanswered -= 1;
             }
-            return Err(io("wait for the fork's clones")(err));
         }
-        if poll.revents & libc::POLLOUT != 0 {
-            if let Some(&index) = unsent.peek() {
-                let entry = pending.get_mut(&index).expect("every index has an entry");
-                let message = encode(&Message::Start {
-                    parent: parent.to_string(),
-                    clone: entry.info.clone(),
-                });
-                let log = entry.log.as_ref().expect("not sent yet").as_raw_fd();
-                match socket.send_with_fd(&message[..], log) {
-                    Ok(_) => {
-                        entry.log = None;
-                        unsent.next();
-                    }
-                    Err(e) if e.errno() == libc::EAGAIN => {}
-                    Err(e) => {
-                        return Err(io("send a clone request to the fork's zygote")(
-                            std::io::Error::from_raw_os_error(e.errno()),
-                        ))
-                    }
+    }
+
+    /// Record how a clone ended up (the first word counts; a failure ends the fork).
+    fn settle(&mut self, index: u32, outcome: Result<(), String>) {
+        let Some(entry) = self.pending.get_mut(&index) else {
+            return;
+        };
+        if entry.outcome.is_some() {
+            return;
+        }
+        match &outcome {
+            Ok(()) => entry.info.ready_ms = self.since.elapsed().as_secs_f64() * 1e3,
+            Err(reason) => {
+                if self.failure.is_none() {
+                    self.failure = Some(ZygoteError::CloneFailed {
+                        name: entry.info.name.clone(),
+                        reason: reason.clone(),
+                        log: entry.info.console_log.clone(),
+                        killed: 0,
+                    });
                 }
             }
         }
-        if poll.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) == 0 {
-            continue;
-        }
-        let (len, fd) = match socket.recv_with_fd(&mut buf) {
-            Ok(got) => got,
-            Err(e) if e.errno() == libc::EAGAIN || e.errno() == libc::EINTR => continue,
-            Err(e) => {
-                return Err(io("read the fork's socket")(
-                    std::io::Error::from_raw_os_error(e.errno()),
-                ))
-            }
-        };
-        if len == 0 && fd.is_none() {
-            // Every sender is gone: the clones still open never will report.
-            break;
-        }
-        // Only this fork's own processes write here; a message that does not parse is
-        // ignored (its clone then fails for want of a report).
-        let Ok(message) = serde_json::from_slice::<Message>(&buf[..len]) else {
-            continue;
-        };
+        entry.outcome = Some(outcome);
+        self.open -= 1;
+    }
+
+    fn handle(&mut self, message: Message, fd: Option<OwnedFd>) {
         match message {
-            Message::Unusable { reason } => unusable = Some(reason),
+            Message::Unusable { reason } => {
+                self.failure.get_or_insert(ZygoteError::Unusable(reason));
+            }
             Message::Forked { index, pid } => {
-                if let Some(entry) = pending.get_mut(&index) {
-                    if !entry.answered {
-                        entry.answered = true;
-                        unforked -= 1;
+                let Some(entry) = self.pending.get_mut(&index) else {
+                    // Not a clone of this fork: whatever it is, it must not run.
+                    if let Some(fd) = &fd {
+                        pidfd_kill(fd);
                     }
+                    return;
+                };
+                if entry.pidfd.is_none() {
                     entry.info.pid = pid;
-                    entry.pidfd = fd.map(OwnedFd::from);
+                    entry.pidfd = fd;
+                }
+                self.answer(index);
+                if self.pending[&index].pidfd.is_none() {
+                    self.settle(
+                        index,
+                        Err("the zygote did not pass its process's pidfd".into()),
+                    );
                 }
             }
             Message::NotForked { index, reason } => {
-                if let Some(entry) = pending.get_mut(&index) {
-                    if !entry.answered {
-                        entry.answered = true;
-                        unforked -= 1;
-                    }
-                }
-                settle(&mut pending, &mut open, since, index, Err(reason))
+                self.answer(index);
+                self.settle(index, Err(reason));
             }
-            Message::Failed { index, reason } => {
-                settle(&mut pending, &mut open, since, index, Err(reason))
-            }
-            Message::Ready { index } => settle(&mut pending, &mut open, since, index, Ok(())),
-            Message::Exited { index, status } => settle(
-                &mut pending,
-                &mut open,
-                since,
+            Message::Failed { index, reason } => self.settle(index, Err(reason)),
+            Message::Ready { index } => self.settle(index, Ok(())),
+            Message::Exited { index, status } => self.settle(
                 index,
                 Err(format!("its process ended ({status}) before it reported")),
             ),
             Message::Start { .. } => {}
         }
     }
-    let timed_out = Instant::now() >= deadline;
-    let mut failure = unusable.map(ZygoteError::Unusable);
-    for index in &order {
-        let entry = &pending[index];
-        let reason = match &entry.outcome {
-            Some(Ok(())) => continue,
-            Some(Err(reason)) => reason.clone(),
-            None if timed_out => format!("it did not report within {} s", timeout.as_secs()),
-            None => "it ended without reporting".to_string(),
-        };
-        if failure.is_none() {
-            failure = Some(ZygoteError::CloneFailed {
-                name: entry.info.name.clone(),
-                reason,
-                log: entry.info.console_log.clone(),
-            });
+
+    /// The zygote has ended: it will answer for no more clones, and clones that have not
+    /// reported must be watched through their own pidfds.
+    fn zygote_ended(&mut self) {
+        let unanswered: Vec<u32> = self
+            .pending
+            .iter()
+            .filter(|(_, entry)| !entry.answered)
+            .map(|(&index, _)| index)
+            .collect();
+        for index in unanswered {
+            self.answer(index);
+            self.settle(
+                index,
+                Err("the fork's zygote ended before it made its process".into()),
+            );
         }
     }
-    match failure {
-        None => Ok(order
-            .iter()
-            .map(|index| pending[index].info.clone())
-            .collect()),
-        Some(err) => {
-            for entry in pending.values() {
-                if let Some(pidfd) = &entry.pidfd {
-                    pidfd_kill(pidfd);
-                }
-            }
-            Err(err)
-        }
+
+    /// Kill every clone this fork has a pidfd for; returns how many that is.
+    fn kill_all(&self) -> usize {
+        let pidfds: Vec<&OwnedFd> = self
+            .pending
+            .values()
+            .filter_map(|entry| entry.pidfd.as_ref())
+            .collect();
+        pidfds.iter().for_each(|pidfd| pidfd_kill(pidfd));
+        pidfds.len()
     }
 }
 
-/// Record how a clone ended up (the first word counts).
-fn settle(
-    pending: &mut HashMap<u32, Pending>,
-    open: &mut usize,
+/// The forking VMM's side of steps 3 and 4 on the fork's `socket`: returns every clone with
+/// its pidfd once all run, or the first failure once every clone it knows of is killed.
+fn follow(
+    socket: &UnixDatagram,
+    zygote: &OwnedFd,
+    parent: &str,
+    clones: Vec<(CloneInfo, File)>,
     since: Instant,
-    index: u32,
-    outcome: Result<(), String>,
-) {
-    if let Some(entry) = pending.get_mut(&index) {
-        if entry.outcome.is_none() {
-            if outcome.is_ok() {
-                entry.info.ready_ms = since.elapsed().as_secs_f64() * 1e3;
+    timeout: Duration,
+) -> Result<Vec<(CloneInfo, OwnedFd)>, ZygoteError> {
+    let order: Vec<u32> = clones.iter().map(|(info, _)| info.index).collect();
+    let mut state = Follow {
+        open: order.len(),
+        unanswered: order.len(),
+        pending: clones
+            .into_iter()
+            .map(|(info, log)| {
+                (
+                    info.index,
+                    Pending {
+                        info,
+                        log: Some(log),
+                        pidfd: None,
+                        answered: false,
+                        outcome: None,
+                    },
+                )
+            })
+            .collect(),
+        since,
+        failure: None,
+    };
+    let ended = run_follow(&mut state, socket, zygote, parent, &order, timeout);
+    if let Err(err) = ended {
+        state.failure.get_or_insert(err);
+    }
+    if state.failure.is_none() {
+        // Nothing failed, but the loop ended: by the timeout, or with the socket's end.
+        if let Some(entry) = order
+            .iter()
+            .map(|index| &state.pending[index])
+            .find(|entry| entry.outcome.is_none() || !entry.answered)
+        {
+            let reason = if entry.outcome.is_none() && Instant::now() >= since + timeout {
+                format!("it did not report within {} s", timeout.as_secs())
+            } else if entry.outcome.is_none() {
+                "it ended without reporting".to_string()
+            } else {
+                "the zygote never said which process it is".to_string()
+            };
+            state.failure = Some(ZygoteError::CloneFailed {
+                name: entry.info.name.clone(),
+                reason,
+                log: entry.info.console_log.clone(),
+                killed: 0,
+            });
+        }
+    }
+    if let Some(mut err) = state.failure.take() {
+        let count = state.kill_all();
+        if let ZygoteError::CloneFailed { killed, .. } = &mut err {
+            *killed += count;
+        }
+        return Err(err);
+    }
+    let mut pending = state.pending;
+    Ok(order
+        .iter()
+        .filter_map(|index| pending.remove(index))
+        .filter_map(|entry| Some((entry.info, entry.pidfd?)))
+        .collect())
+}
+
+/// The poll loop of [`follow`]: sends the requests as the socket takes them and reads the
+/// answers, until every clone is settled and answered for, one fails, or `timeout` passes.
+fn run_follow(
+    state: &mut Follow,
+    socket: &UnixDatagram,
+    zygote: &OwnedFd,
+    parent: &str,
+    order: &[u32],
+    timeout: Duration,
+) -> Result<(), ZygoteError> {
+    let deadline = state.since + timeout;
+    let mut unsent = order.iter().copied().peekable();
+    let mut zygote_alive = true;
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    while (state.open > 0 || state.unanswered > 0) && state.failure.is_none() {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            return Ok(());
+        }
+        let mut events = libc::POLLIN;
+        if unsent.peek().is_some() {
+            events |= libc::POLLOUT;
+        }
+        let mut fds = vec![(socket.as_raw_fd(), events)];
+        // Once the zygote has ended, nobody reports a clone's end for it: each clone still
+        // starting is watched through its pidfd.
+        let mut watched = Vec::new();
+        if zygote_alive {
+            fds.push((zygote.as_raw_fd(), libc::POLLIN));
+        } else {
+            for (&index, entry) in &state.pending {
+                if let (None, Some(pidfd)) = (&entry.outcome, &entry.pidfd) {
+                    fds.push((pidfd.as_raw_fd(), libc::POLLIN));
+                    watched.push(index);
+                }
             }
-            entry.outcome = Some(outcome);
-            *open -= 1;
+        }
+        let revents = poll(&fds, remaining).map_err(io("wait for the fork's clones"))?;
+        if revents[0] & libc::POLLOUT != 0 {
+            if let Some(&index) = unsent.peek() {
+                send_start(state, socket, parent, index)?;
+                unsent.next();
+            }
+        }
+        let readable = revents[0] & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+        if readable {
+            match receive(socket, &mut buf) {
+                Ok(Received::Message(len, fd)) => {
+                    // Only this fork's own processes write here; a message that does not
+                    // parse is ignored (its clone then fails for want of a report).
+                    if let Ok(message) = serde_json::from_slice::<Message>(&buf[..len]) {
+                        state.handle(message, fd);
+                    } else if let Some(fd) = fd {
+                        pidfd_kill(&fd);
+                    }
+                }
+                Ok(Received::Truncated(fds)) => {
+                    fds.iter().for_each(pidfd_kill);
+                    return Err(ZygoteError::Protocol(
+                        "a message too long, or with more than one descriptor",
+                    ));
+                }
+                // Every sender is gone: the clones still open never will report.
+                Ok(Received::End) => return Ok(()),
+                Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(err) => return Err(io("read the fork's socket")(err)),
+            }
+        } else if zygote_alive && revents[1] != 0 {
+            // The zygote has ended and everything it sent has been read (the socket had
+            // nothing more this time round).
+            zygote_alive = false;
+            state.zygote_ended();
+        } else if !zygote_alive {
+            for (slot, index) in watched.into_iter().enumerate() {
+                if revents[slot + 1] != 0 {
+                    state.settle(index, Err("its process ended before it reported".into()));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Send one clone's request, its console log attached.
+fn send_start(
+    state: &mut Follow,
+    socket: &UnixDatagram,
+    parent: &str,
+    index: u32,
+) -> Result<(), ZygoteError> {
+    let entry = state
+        .pending
+        .get_mut(&index)
+        .expect("every index has an entry");
+    let Some(message) = encode(&Message::Start {
+        parent: parent.to_string(),
+        clone: entry.info.clone(),
+    }) else {
+        state.answer(index);
+        state.settle(
+            index,
+            Err(format!(
+                "its file paths are not UTF-8 or longer than the zygote takes ({MAX_MESSAGE} bytes in all)"
+            )),
+        );
+        return Ok(());
+    };
+    let log = entry.log.take().expect("not sent yet");
+    match socket.send_with_fd(&message[..], log.as_raw_fd()) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(io("send a clone request to the fork's zygote")(
+            std::io::Error::from_raw_os_error(e.errno()),
+        )),
+    }
+}
+
+/// Clones whose zygote has ended are children of the nearest subreaper: when that is this
+/// VMM (PID 1 of a container, or a process that made itself a subreaper), it must reap them
+/// when they end, or they stay zombies. One thread does it for every fork, from their pidfds.
+mod reaper {
+    use std::os::fd::{AsRawFd, OwnedFd};
+    use std::sync::mpsc::{channel, Receiver, Sender};
+    use std::sync::{Mutex, OnceLock};
+    use std::time::Duration;
+
+    static ADOPT: OnceLock<Mutex<Sender<Vec<OwnedFd>>>> = OnceLock::new();
+
+    /// Whether clones of this process's zygotes become its own children when the zygote ends.
+    fn inherits_orphans() -> bool {
+        let mut subreaper: libc::c_int = 0;
+        // SAFETY: PR_GET_CHILD_SUBREAPER writes one int at the pointer given.
+        let rc = unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut subreaper) };
+        // SAFETY: getpid has no preconditions.
+        let pid = unsafe { libc::getpid() };
+        pid == 1 || (rc == 0 && subreaper != 0)
+    }
+
+    /// Reap these clones when they end, if they are to become this process's children.
+    pub(super) fn adopt(pidfds: Vec<OwnedFd>) {
+        if pidfds.is_empty() || !inherits_orphans() {
+            return;
+        }
+        let sender = ADOPT.get_or_init(|| {
+            let (sender, receiver) = channel();
+            let _ = std::thread::Builder::new()
+                .name("clone reaper".into())
+                .spawn(move || reap(receiver));
+            Mutex::new(sender)
+        });
+        if let Ok(sender) = sender.lock() {
+            let _ = sender.send(pidfds);
+        }
+    }
+
+    fn reap(receiver: Receiver<Vec<OwnedFd>>) {
+        let mut watched: Vec<OwnedFd> = Vec::new();
+        loop {
+            while let Ok(more) = receiver.try_recv() {
+                watched.extend(more);
+            }
+            if watched.is_empty() {
+                match receiver.recv() {
+                    Ok(more) => watched.extend(more),
+                    Err(_) => return,
+                }
+                continue;
+            }
+            let fds: Vec<_> = watched
+                .iter()
+                .map(|fd| (fd.as_raw_fd(), libc::POLLIN))
+                .collect();
+            // New clones are picked up within a second.
+            let Ok(revents) = super::poll(&fds, Duration::from_secs(1)) else {
+                std::thread::sleep(Duration::from_secs(1));
+                continue;
+            };
+            let mut index = 0;
+            watched.retain(|fd| {
+                let ended = revents[index] != 0;
+                index += 1;
+                if ended {
+                    // SAFETY: waitid on a pidfd we own, without blocking; a zeroed siginfo
+                    // receives the status. ECHILD (the zygote reaped it) is fine too.
+                    unsafe {
+                        let mut info: libc::siginfo_t = std::mem::zeroed();
+                        libc::waitid(
+                            libc::P_PIDFD,
+                            fd.as_raw_fd().unsigned_abs(),
+                            &mut info,
+                            libc::WEXITED | libc::WNOHANG,
+                        );
+                    }
+                }
+                !ended
+            });
         }
     }
 }
@@ -447,27 +829,23 @@ pub struct Reporter {
 }
 
 impl Reporter {
-    /// The clone runs.
+    /// The clone runs: from now on it outlives the zygote (so its parent-death signal is
+    /// cleared before the word goes out, on the thread that set it).
     pub fn ready(self) {
-        let _ = self
-            .socket
-            .send(&encode(&Message::Ready { index: self.index }));
+        // SAFETY: prctl with plain integer arguments.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, 0, 0, 0, 0) };
+        send(&self.socket, &Message::Ready { index: self.index });
     }
 
     /// The clone could not start (it is about to exit).
     pub fn failed(self, reason: &str) {
-        let mut reason = reason.to_string();
-        if reason.len() > MAX_REASON {
-            let mut cut = MAX_REASON;
-            while !reason.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            reason.truncate(cut);
-        }
-        let _ = self.socket.send(&encode(&Message::Failed {
-            index: self.index,
-            reason,
-        }));
+        send(
+            &self.socket,
+            &Message::Failed {
+                index: self.index,
+                reason: cut(reason),
+            },
+        );
     }
 }
 
@@ -494,8 +872,29 @@ fn thread_count() -> usize {
     std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
 }
 
+/// Name this process (or thread) as `ps -o comm` and `top` show it: at most 15 bytes.
+fn set_comm(name: &str) {
+    let mut end = name.len().min(15);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut comm = [0u8; 16];
+    comm[..end].copy_from_slice(&name.as_bytes()[..end]);
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, comm.as_ptr()) };
+}
+
+/// The index of a request that does not parse as one, if it has one at all: the zygote still
+/// answers for that clone, so the fork does not wait for it until its timeout.
+fn index_of_bad_request(bytes: &[u8]) -> Option<u32> {
+    let value: serde_json::Value = serde_json::from_slice(bytes).ok()?;
+    let index = value.get("Start")?.get("clone")?.get("index")?.as_u64()?;
+    u32::try_from(index).ok()
+}
+
 /// The zygote process (`mayfly zygote`), steps 2 to 4. Returns the process's exit status.
 pub fn serve(state_fd: RawFd, memory_fd: RawFd, socket_fd: RawFd, clone_main: CloneMain) -> u8 {
+    set_comm("mayfly-zygote");
     let socket = match take_fd(socket_fd, "fork's socket") {
         Ok(fd) => UnixDatagram::from(fd),
         Err(reason) => {
@@ -504,19 +903,18 @@ pub fn serve(state_fd: RawFd, memory_fd: RawFd, socket_fd: RawFd, clone_main: Cl
         }
     };
     let unusable = |reason: String| {
-        let _ = socket.send(&encode(&Message::Unusable { reason }));
+        send(
+            &socket,
+            &Message::Unusable {
+                reason: cut(&reason),
+            },
+        );
         1
     };
     let source = match SnapshotSource::inherited(state_fd, memory_fd) {
         Ok(source) => source,
         Err(err) => return unusable(err.to_string()),
     };
-    if thread_count() != 1 {
-        return unusable(format!(
-            "the zygote runs {} threads; it forks only while it runs one",
-            thread_count()
-        ));
-    }
     // MAYFLY_TRACE=1 in the forking VMM's environment: every clone prints its phases.
     if std::env::var_os("MAYFLY_TRACE").is_some() {
         crate::trace::enable();
@@ -525,67 +923,85 @@ pub fn serve(state_fd: RawFd, memory_fd: RawFd, socket_fd: RawFd, clone_main: Cl
         Ok(prepared) => prepared,
         Err(err) => return unusable(err.to_string()),
     };
+    // Checked once everything before the first fork has run: nothing here starts a thread.
+    if thread_count() != 1 {
+        return unusable(format!(
+            "the zygote runs {} threads; it forks only while it runs one",
+            thread_count()
+        ));
+    }
+    // SAFETY: getpid has no preconditions.
+    let zygote_pid = unsafe { libc::getpid() };
     let mut children: HashMap<libc::pid_t, u32> = HashMap::new();
     let mut buf = vec![0u8; MAX_MESSAGE];
     loop {
         reap(&socket, &mut children);
-        let mut poll = libc::pollfd {
-            fd: socket.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
         // Woken at least every 100 ms to reap clones that ended.
-        // SAFETY: poll on one pollfd we own; the result is checked.
-        if unsafe { libc::poll(&mut poll, 1, 100) } <= 0 {
-            continue;
+        match poll(
+            &[(socket.as_raw_fd(), libc::POLLIN)],
+            Duration::from_millis(100),
+        ) {
+            Ok(revents) if revents[0] != 0 => {}
+            Ok(_) => continue,
+            Err(_) => return 1,
         }
-        let (len, log) = match socket.recv_with_fd(&mut buf) {
-            Ok(got) => got,
-            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => continue,
+        let (len, log) = match receive(&socket, &mut buf) {
+            Ok(Received::Message(len, log)) => (len, log),
+            // Never sent by the forking VMM: dropped (its descriptors closed).
+            Ok(Received::Truncated(_)) => continue,
+            // The forking VMM is done (or gone).
+            Ok(Received::End) => return 0,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN)) => continue,
             Err(_) => return 1,
         };
-        if len == 0 && log.is_none() {
-            // The forking VMM is done (or gone).
-            return 0;
-        }
-        let Ok(Message::Start { parent, clone }) = serde_json::from_slice(&buf[..len]) else {
-            continue;
+        let (parent, clone) = match serde_json::from_slice(&buf[..len]) {
+            Ok(Message::Start { parent, clone }) => (parent, clone),
+            _ => {
+                if let Some(index) = index_of_bad_request(&buf[..len]) {
+                    let reason = "its request to the zygote did not parse".to_string();
+                    send(&socket, &Message::NotForked { index, reason });
+                }
+                continue;
+            }
         };
         let index = clone.index;
-        let Some(log) = log else {
-            let _ = socket.send(&encode(&Message::NotForked {
-                index,
-                reason: "its request came without its console log".into(),
-            }));
+        let Some(log) = log.map(File::from) else {
+            let reason = "its request came without its console log".to_string();
+            send(&socket, &Message::NotForked { index, reason });
             continue;
         };
         // SAFETY: this process runs one thread (checked above, and it starts none), so the
         // child may do anything a process does.
         let pid = unsafe { libc::fork() };
         if pid == 0 {
-            become_clone(prepared, parent, clone, log, socket, clone_main);
+            become_clone(zygote_pid, prepared, parent, clone, log, socket, clone_main);
         }
         if pid < 0 {
             let reason = format!("fork(2) failed: {}", std::io::Error::last_os_error());
-            let _ = socket.send(&encode(&Message::NotForked { index, reason }));
+            send(&socket, &Message::NotForked { index, reason });
             continue;
         }
         drop(log);
         children.insert(pid, index);
         // The child is not reaped before this process waits for it, so its pid cannot be
-        // anyone else's yet.
-        // SAFETY: pidfd_open of our own child; the result is checked.
-        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        let message = encode(&Message::Forked {
-            index,
-            pid: pid.unsigned_abs(),
+        // anyone else's yet; for the same reason it may be killed by pid here.
+        let forked = pidfd_open(pid).and_then(|pidfd| {
+            let message = encode(&Message::Forked {
+                index,
+                pid: pid.unsigned_abs(),
+            })
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EMSGSIZE))?;
+            socket
+                .send_with_fd(&message[..], pidfd.as_raw_fd())
+                .map(drop)
+                .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
         });
-        if pidfd >= 0 {
-            // SAFETY: pidfd_open returned a new descriptor that nothing else owns.
-            let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as RawFd) };
-            let _ = socket.send_with_fd(&message[..], pidfd.as_raw_fd());
-        } else {
-            let _ = socket.send(&message);
+        if let Err(err) = forked {
+            // A clone the forking VMM cannot kill by pidfd must not run.
+            // SAFETY: kill of our own child, not yet reaped.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            let reason = format!("its process could not be handed over ({err}); it was killed");
+            send(&socket, &Message::NotForked { index, reason });
         }
     }
 }
@@ -605,13 +1021,14 @@ fn reap(socket: &UnixDatagram, children: &mut HashMap<libc::pid_t, u32>) {
             } else {
                 format!("exit status {}", libc::WEXITSTATUS(status))
             };
-            let _ = socket.send(&encode(&Message::Exited { index, status }));
+            send(socket, &Message::Exited { index, status });
         }
     }
 }
 
 /// In the child, step 3: become the clone's own process and start its VM.
 fn become_clone(
+    zygote_pid: libc::pid_t,
     prepared: Prepared,
     parent: String,
     clone: CloneInfo,
@@ -619,14 +1036,42 @@ fn become_clone(
     socket: UnixDatagram,
     clone_main: CloneMain,
 ) -> ! {
-    // SAFETY: plain system calls on this process and descriptors it owns.
-    unsafe {
-        // Its own process group: it outlives the fork and is signalled apart from the others.
-        libc::setpgid(0, 0);
-        // Its stderr is its console log, appended to (the console writes there too).
+    let report = Reporter {
+        socket,
+        index: clone.index,
+    };
+    // Until it reports that it runs, the clone dies with the zygote: a fork that fails kills
+    // its zygote, and with it every clone whose pidfd the forking VMM may not have yet.
+    // SAFETY: prctl with plain integer arguments; getppid has no preconditions.
+    let orphaned = unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0
+            || libc::getppid() != zygote_pid
+    };
+    if orphaned {
+        report.failed("its zygote ended while it was being made");
+        std::process::exit(1);
+    }
+    set_comm(&clone.name);
+    // Its own process group: it outlives the fork and is signalled apart from the others.
+    // Its stderr is its console log, appended to (the console writes there too).
+    // SAFETY: plain system calls on this process and descriptors it owns; results checked.
+    let setup = unsafe {
         let flags = libc::fcntl(log.as_raw_fd(), libc::F_GETFL);
-        libc::fcntl(log.as_raw_fd(), libc::F_SETFL, flags | libc::O_APPEND);
-        libc::dup2(log.as_raw_fd(), 2);
+        if libc::setpgid(0, 0) != 0 {
+            Err("make its own process group")
+        } else if flags < 0
+            || libc::fcntl(log.as_raw_fd(), libc::F_SETFL, flags | libc::O_APPEND) < 0
+            || libc::dup2(log.as_raw_fd(), 2) < 0
+        {
+            Err("send its stderr to its console log")
+        } else {
+            Ok(())
+        }
+    };
+    if let Err(what) = setup {
+        let err = std::io::Error::last_os_error();
+        report.failed(&format!("cannot {what}: {err}"));
+        std::process::exit(1);
     }
     drop(log);
     crate::trace::event("clone_forked");
@@ -645,9 +1090,345 @@ fn become_clone(
             disk_dir: clone.disk_dir.clone(),
         },
     };
-    let report = Reporter {
-        socket,
-        index: clone.index,
-    };
     clone_main(prepared, instance, report)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The forking VMM's side of the protocol against a fake zygote on a socket pair: every
+    //! way the other side can go wrong ends the fork with an error and kills what it started.
+
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    fn info(index: u32) -> CloneInfo {
+        CloneInfo {
+            name: format!("c-{index}"),
+            index,
+            pid: 0,
+            api_sock: format!("/nonexistent/c-{index}.sock").into(),
+            console_log: format!("/nonexistent/c-{index}.log").into(),
+            console_input: format!("/nonexistent/c-{index}.in").into(),
+            vsock: format!("/nonexistent/c-{index}.vsock").into(),
+            vsock_cid: 1000 + u64::from(index),
+            disk_dir: None,
+            ready_ms: 0.0,
+        }
+    }
+
+    fn clones(count: u32) -> Vec<(CloneInfo, File)> {
+        (0..count)
+            .map(|i| (info(i), File::open("/dev/null").expect("open /dev/null")))
+            .collect()
+    }
+
+    /// A process standing in for a clone (or the zygote), and its pidfd.
+    fn process() -> (Child, OwnedFd) {
+        let child = Command::new("sleep")
+            .arg("600")
+            .spawn()
+            .expect("start sleep");
+        let pidfd = pidfd_open(child.id().try_into().unwrap()).expect("pidfd_open");
+        (child, pidfd)
+    }
+
+    /// Whether `child` had been killed by SIGKILL (it is killed and reaped either way).
+    fn was_killed(mut child: Child) -> bool {
+        // The signal is on its way when the fork returns; give it time to land.
+        for _ in 0..500 {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                return status.signal() == Some(libc::SIGKILL);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        false
+    }
+
+    fn stop(mut child: Child) {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    fn still_running(child: &mut Child) -> bool {
+        child.try_wait().expect("try_wait").is_none()
+    }
+
+    fn message(message: &Message) -> Vec<u8> {
+        encode(message).expect("encodes")
+    }
+
+    /// The zygote's end: read the requests, answer with `script` (a message and the pidfd to
+    /// pass with it), then hold the socket open for `hold` before closing it.
+    fn fake_zygote(
+        theirs: UnixDatagram,
+        requests: usize,
+        script: Vec<(Message, Option<RawFd>)>,
+        hold: Duration,
+    ) -> std::thread::JoinHandle<Vec<Message>> {
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; MAX_MESSAGE];
+            let mut got = Vec::new();
+            for _ in 0..requests {
+                match receive(&theirs, &mut buf).expect("receive a request") {
+                    Received::Message(len, fd) => {
+                        assert!(fd.is_some(), "a request comes with its console log");
+                        got.push(serde_json::from_slice(&buf[..len]).expect("a request parses"));
+                    }
+                    _ => panic!("expected a request"),
+                }
+            }
+            for (msg, fd) in script {
+                let bytes = message(&msg);
+                match fd {
+                    Some(fd) => theirs.send_with_fd(&bytes[..], fd).map(drop).expect("send"),
+                    None => theirs.send(&bytes).map(drop).expect("send"),
+                }
+            }
+            std::thread::sleep(hold);
+            got
+        })
+    }
+
+    #[test]
+    fn a_clone_that_reports_before_its_pid_arrives_is_listed_with_its_pid() {
+        let (zygote, zygote_fd) = process();
+        let (clone, clone_fd) = process();
+        let (ours, theirs) = seqpacket_pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let script = vec![
+            (Message::Ready { index: 0 }, None),
+            (
+                Message::Forked {
+                    index: 0,
+                    pid: clone.id(),
+                },
+                Some(clone_fd.as_raw_fd()),
+            ),
+        ];
+        let fake = fake_zygote(theirs, 1, script, Duration::from_secs(1));
+        let started = follow(
+            &ours,
+            &zygote_fd,
+            "p",
+            clones(1),
+            Instant::now(),
+            Duration::from_secs(60),
+        )
+        .expect("the fork succeeds");
+        let requests = fake.join().unwrap();
+        assert!(
+            matches!(&requests[0], Message::Start { parent, clone } if parent == "p" && clone.index == 0)
+        );
+        assert_eq!(started.len(), 1);
+        assert_eq!(started[0].0.pid, clone.id());
+        assert!(
+            !was_killed(clone),
+            "a clone of a fork that succeeded is left running"
+        );
+        stop(zygote);
+    }
+
+    #[test]
+    fn a_clone_reported_ready_that_the_zygote_never_handed_over_fails_the_fork() {
+        // Before: this was a success with pid 0 (and `kill 0` is the caller's own group).
+        let (zygote, zygote_fd) = process();
+        let (ours, theirs) = seqpacket_pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let fake = fake_zygote(
+            theirs,
+            1,
+            vec![(Message::Ready { index: 0 }, None)],
+            Duration::ZERO,
+        );
+        let err = follow(
+            &ours,
+            &zygote_fd,
+            "p",
+            clones(1),
+            Instant::now(),
+            Duration::from_secs(60),
+        )
+        .expect_err("no pid, no success");
+        fake.join().unwrap();
+        assert!(
+            matches!(&err, ZygoteError::CloneFailed { name, reason, .. } if name == "c-0" && reason.contains("never said which process")),
+            "{err}"
+        );
+        stop(zygote);
+    }
+
+    #[test]
+    fn one_clone_failing_kills_every_clone_the_fork_was_handed() {
+        let (zygote, zygote_fd) = process();
+        let (a, a_fd) = process();
+        let (b, b_fd) = process();
+        let (ours, theirs) = seqpacket_pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let script = vec![
+            (
+                Message::Forked {
+                    index: 0,
+                    pid: a.id(),
+                },
+                Some(a_fd.as_raw_fd()),
+            ),
+            (Message::Ready { index: 0 }, None),
+            (
+                Message::Forked {
+                    index: 1,
+                    pid: b.id(),
+                },
+                Some(b_fd.as_raw_fd()),
+            ),
+            (
+                Message::Failed {
+                    index: 1,
+                    reason: "no KVM for you".into(),
+                },
+                None,
+            ),
+        ];
+        let fake = fake_zygote(theirs, 2, script, Duration::from_secs(1));
+        let err = follow(
+            &ours,
+            &zygote_fd,
+            "p",
+            clones(2),
+            Instant::now(),
+            Duration::from_secs(60),
+        )
+        .expect_err("a clone failed");
+        fake.join().unwrap();
+        assert!(
+            matches!(&err, ZygoteError::CloneFailed { name, reason, killed: 2, .. } if name == "c-1" && reason == "no KVM for you"),
+            "{err}"
+        );
+        assert!(was_killed(a), "the clone that ran is killed");
+        assert!(was_killed(b), "the clone that failed is killed");
+        stop(zygote);
+    }
+
+    #[test]
+    fn a_message_the_buffer_cannot_hold_ends_the_fork_and_kills_its_clones() {
+        // Before: a read error returned at once and left the clones handed over so far running.
+        let (zygote, zygote_fd) = process();
+        let (a, a_fd) = process();
+        let (b, b_fd) = process();
+        let (ours, theirs) = seqpacket_pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let (a_pid, a_raw, b_raw) = (a.id(), a_fd.as_raw_fd(), b_fd.as_raw_fd());
+        let fake = std::thread::spawn(move || {
+            let mut buf = vec![0u8; MAX_MESSAGE];
+            receive(&theirs, &mut buf).expect("a request");
+            let forked = message(&Message::Forked {
+                index: 0,
+                pid: a_pid,
+            });
+            theirs.send_with_fd(&forked[..], a_raw).expect("send");
+            let huge = vec![b' '; MAX_MESSAGE + 1];
+            theirs.send_with_fd(&huge[..], b_raw).expect("send");
+            std::thread::sleep(Duration::from_secs(1));
+        });
+        let err = follow(
+            &ours,
+            &zygote_fd,
+            "p",
+            clones(1),
+            Instant::now(),
+            Duration::from_secs(60),
+        )
+        .expect_err("the zygote broke the protocol");
+        fake.join().unwrap();
+        assert!(matches!(err, ZygoteError::Protocol(_)), "{err}");
+        assert!(was_killed(a), "the clone handed over is killed");
+        assert!(
+            was_killed(b),
+            "the process whose pidfd came with the bad message is killed"
+        );
+        stop(zygote);
+    }
+
+    #[test]
+    fn the_zygote_ending_fails_the_clones_it_never_answered_for_at_once() {
+        // Before: the fork waited for its whole timeout (120 s) when the zygote died.
+        let (mut zygote, zygote_fd) = process();
+        let (ours, theirs) = seqpacket_pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        // The socket stays open (a clone may still hold it) while the zygote dies.
+        let fake = fake_zygote(theirs, 2, vec![], Duration::from_secs(3));
+        zygote.kill().unwrap();
+        let err = follow(
+            &ours,
+            &zygote_fd,
+            "p",
+            clones(2),
+            Instant::now(),
+            Duration::from_secs(60),
+        )
+        .expect_err("no zygote, no clones");
+        assert!(
+            matches!(&err, ZygoteError::CloneFailed { reason, .. } if reason.contains("zygote ended before it made its process")),
+            "{err}"
+        );
+        assert!(!still_running(&mut zygote));
+        fake.join().unwrap();
+    }
+
+    #[test]
+    fn a_clone_whose_paths_cannot_be_sent_fails_without_reaching_the_zygote() {
+        use std::os::unix::ffi::OsStrExt;
+        let (zygote, zygote_fd) = process();
+        let (ours, theirs) = seqpacket_pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let mut clone = info(0);
+        clone.console_log = std::ffi::OsStr::from_bytes(b"/tmp/\xff.log").into();
+        let log = File::open("/dev/null").unwrap();
+        let err = follow(
+            &ours,
+            &zygote_fd,
+            "p",
+            vec![(clone, log)],
+            Instant::now(),
+            Duration::from_secs(60),
+        )
+        .expect_err("a path that is not UTF-8");
+        assert!(
+            matches!(&err, ZygoteError::CloneFailed { reason, .. } if reason.contains("not UTF-8")),
+            "{err}"
+        );
+        theirs.set_nonblocking(true).unwrap();
+        let mut buf = vec![0u8; MAX_MESSAGE];
+        assert!(
+            receive(&theirs, &mut buf).is_err(),
+            "nothing was sent (not even an empty message, which reads as the end)"
+        );
+        stop(zygote);
+    }
+
+    #[test]
+    fn a_clone_failure_of_any_length_and_content_reaches_the_fork() {
+        // Before: 4 KiB of control characters grew past the 16 KiB message limit in JSON.
+        let (ours, theirs) = seqpacket_pair().unwrap();
+        Reporter {
+            socket: theirs,
+            index: 7,
+        }
+        .failed(&"\u{1}é".repeat(20_000));
+        let mut buf = vec![0u8; MAX_MESSAGE];
+        let Received::Message(len, None) = receive(&ours, &mut buf).expect("a message") else {
+            panic!("expected one whole message");
+        };
+        match serde_json::from_slice(&buf[..len]).expect("it parses") {
+            Message::Failed { index: 7, reason } => {
+                assert!(
+                    !reason.is_empty() && reason.len() <= MAX_REASON,
+                    "{}",
+                    reason.len()
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
 }
