@@ -15,7 +15,7 @@ use mayfly_devices::PowerRequest;
 use crate::agent::RefreshStatus;
 use crate::api::{Action, ApiError, ApiServer, Reply, SocketClaim};
 use crate::event::{VmEvent, VmExit};
-use crate::fork::{ForkError, ForkRequest};
+use crate::fork::ForkError;
 use crate::machine::Machine;
 
 pub struct Controller {
@@ -164,16 +164,7 @@ impl Controller {
                 ),
                 Err(e) => (Reply::error(e.http_status(), e.to_string()), None),
             },
-            Action::Fork {
-                count,
-                name_prefix,
-                parent_paused,
-            } => {
-                let request = ForkRequest {
-                    count,
-                    name_prefix,
-                    parent_paused,
-                };
+            Action::Fork(request) => {
                 let dir = self
                     .api
                     .as_ref()

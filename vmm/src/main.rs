@@ -106,6 +106,10 @@ struct ForkArgs {
     /// Leave the parent paused after the fork.
     #[arg(long)]
     keep_paused: bool,
+    /// Check host memory only for what starting the clones costs (their VMMs), not for the
+    /// guest memory they will write: for many clones that stay idle.
+    #[arg(long)]
+    overcommit: bool,
 }
 
 #[derive(Args)]
@@ -365,6 +369,7 @@ fn main() -> ExitCode {
                 "count": args.count,
                 "name_prefix": args.name_prefix,
                 "parent": if args.keep_paused { "paused" } else { "running" },
+                "overcommit": args.overcommit,
             })),
         ),
         Command::Exec(args) => guest_commands::exec(args),

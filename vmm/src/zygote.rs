@@ -319,7 +319,6 @@ impl Drop for Zygote {
 /// A clone the zygote is asked for, as the forking VMM follows it.
 struct Pending {
     info: CloneInfo,
-    log: Option<File>,
     pidfd: Option<OwnedFd>,
     /// The zygote said whether it made this clone's process (Forked or NotForked), or can no
     /// longer say.
@@ -388,12 +387,19 @@ impl Zygote {
     pub fn start_clones(
         mut self,
         parent: &str,
-        clones: Vec<(CloneInfo, File)>,
+        clones: Vec<CloneInfo>,
+        open_log: &dyn Fn(&CloneInfo) -> std::io::Result<File>,
         since: Instant,
         timeout: Duration,
     ) -> Result<Vec<CloneInfo>, ZygoteError> {
         let socket = self.socket.take().expect("open until start_clones");
-        match follow(&socket, &self.pidfd, parent, clones, since, timeout) {
+        let fork = Fork {
+            socket: &socket,
+            zygote: &self.pidfd,
+            parent,
+            open_log,
+        };
+        match follow(&fork, clones, since, timeout) {
             Ok(started) => {
                 drop(socket);
                 drop(self);
@@ -549,28 +555,35 @@ impl Follow {
     }
 }
 
-/// The forking VMM's side of steps 3 and 4 on the fork's `socket`: returns every clone with
-/// its pidfd once all run, or the first failure once every clone it knows of is killed.
+/// What a fork talks to and with: its socket, its zygote's pidfd, the parent's name, and how
+/// a clone's console log is opened (at the moment its request is sent, so that a fork of
+/// thousands does not hold a descriptor per clone for its logs).
+struct Fork<'a> {
+    socket: &'a UnixDatagram,
+    zygote: &'a OwnedFd,
+    parent: &'a str,
+    open_log: &'a dyn Fn(&CloneInfo) -> std::io::Result<File>,
+}
+
+/// The forking VMM's side of steps 3 and 4: returns every clone with its pidfd once all run,
+/// or the first failure once every clone it knows of is killed.
 fn follow(
-    socket: &UnixDatagram,
-    zygote: &OwnedFd,
-    parent: &str,
-    clones: Vec<(CloneInfo, File)>,
+    fork: &Fork,
+    clones: Vec<CloneInfo>,
     since: Instant,
     timeout: Duration,
 ) -> Result<Vec<(CloneInfo, OwnedFd)>, ZygoteError> {
-    let order: Vec<u32> = clones.iter().map(|(info, _)| info.index).collect();
+    let order: Vec<u32> = clones.iter().map(|info| info.index).collect();
     let mut state = Follow {
         open: order.len(),
         unanswered: order.len(),
         pending: clones
             .into_iter()
-            .map(|(info, log)| {
+            .map(|info| {
                 (
                     info.index,
                     Pending {
                         info,
-                        log: Some(log),
                         pidfd: None,
                         answered: false,
                         outcome: None,
@@ -581,7 +594,7 @@ fn follow(
         since,
         failure: None,
     };
-    let ended = run_follow(&mut state, socket, zygote, parent, &order, timeout);
+    let ended = run_follow(&mut state, fork, &order, timeout);
     if let Err(err) = ended {
         state.failure.get_or_insert(err);
     }
@@ -626,12 +639,11 @@ fn follow(
 /// answers, until every clone is settled and answered for, one fails, or `timeout` passes.
 fn run_follow(
     state: &mut Follow,
-    socket: &UnixDatagram,
-    zygote: &OwnedFd,
-    parent: &str,
+    fork: &Fork,
     order: &[u32],
     timeout: Duration,
 ) -> Result<(), ZygoteError> {
+    let (socket, zygote) = (fork.socket, fork.zygote);
     let deadline = state.since + timeout;
     let mut unsent = order.iter().copied().peekable();
     let mut zygote_alive = true;
@@ -662,7 +674,7 @@ fn run_follow(
         let revents = poll(&fds, remaining).map_err(io("wait for the fork's clones"))?;
         if revents[0] & libc::POLLOUT != 0 {
             if let Some(&index) = unsent.peek() {
-                send_start(state, socket, parent, index)?;
+                send_start(state, fork, index)?;
                 unsent.next();
             }
         }
@@ -706,32 +718,36 @@ fn run_follow(
     Ok(())
 }
 
-/// Send one clone's request, its console log attached.
-fn send_start(
-    state: &mut Follow,
-    socket: &UnixDatagram,
-    parent: &str,
-    index: u32,
-) -> Result<(), ZygoteError> {
+/// Send one clone's request, its console log attached. A clone whose request cannot be made
+/// fails (and so ends the fork) without reaching the zygote.
+fn send_start(state: &mut Follow, fork: &Fork, index: u32) -> Result<(), ZygoteError> {
     let entry = state
         .pending
         .get_mut(&index)
         .expect("every index has an entry");
-    let Some(message) = encode(&Message::Start {
-        parent: parent.to_string(),
+    let message = encode(&Message::Start {
+        parent: fork.parent.to_string(),
         clone: entry.info.clone(),
-    }) else {
-        state.answer(index);
-        state.settle(
-            index,
-            Err(format!(
-                "its file paths are not UTF-8 or longer than the zygote takes ({MAX_MESSAGE} bytes in all)"
-            )),
-        );
-        return Ok(());
+    })
+    .ok_or_else(|| {
+        format!(
+            "its file paths are not UTF-8 or longer than the zygote takes ({MAX_MESSAGE} bytes in all)"
+        )
+    });
+    let log = message.and_then(|message| {
+        (fork.open_log)(&entry.info)
+            .map(|log| (message, log))
+            .map_err(|err| format!("cannot open its console log: {err}"))
+    });
+    let (message, log) = match log {
+        Ok(ready) => ready,
+        Err(reason) => {
+            state.answer(index);
+            state.settle(index, Err(reason));
+            return Ok(());
+        }
     };
-    let log = entry.log.take().expect("not sent yet");
-    match socket.send_with_fd(&message[..], log.as_raw_fd()) {
+    match fork.socket.send_with_fd(&message[..], log.as_raw_fd()) {
         Ok(_) => Ok(()),
         Err(e) => Err(io("send a clone request to the fork's zygote")(
             std::io::Error::from_raw_os_error(e.errno()),
@@ -1116,10 +1132,23 @@ mod tests {
         }
     }
 
-    fn clones(count: u32) -> Vec<(CloneInfo, File)> {
-        (0..count)
-            .map(|i| (info(i), File::open("/dev/null").expect("open /dev/null")))
-            .collect()
+    fn clones(count: u32) -> Vec<CloneInfo> {
+        (0..count).map(info).collect()
+    }
+
+    /// Follow a fork of `clones` on `ours` (each console log /dev/null) for up to a minute.
+    fn run(
+        ours: &UnixDatagram,
+        zygote: &OwnedFd,
+        clones: Vec<CloneInfo>,
+    ) -> Result<Vec<(CloneInfo, OwnedFd)>, ZygoteError> {
+        let fork = Fork {
+            socket: ours,
+            zygote,
+            parent: "p",
+            open_log: &|_| File::open("/dev/null"),
+        };
+        follow(&fork, clones, Instant::now(), Duration::from_secs(60))
     }
 
     /// A process standing in for a clone (or the zygote), and its pidfd.
@@ -1208,15 +1237,7 @@ mod tests {
             ),
         ];
         let fake = fake_zygote(theirs, 1, script, Duration::from_secs(1));
-        let started = follow(
-            &ours,
-            &zygote_fd,
-            "p",
-            clones(1),
-            Instant::now(),
-            Duration::from_secs(60),
-        )
-        .expect("the fork succeeds");
+        let started = run(&ours, &zygote_fd, clones(1)).expect("the fork succeeds");
         let requests = fake.join().unwrap();
         assert!(
             matches!(&requests[0], Message::Start { parent, clone } if parent == "p" && clone.index == 0)
@@ -1242,15 +1263,7 @@ mod tests {
             vec![(Message::Ready { index: 0 }, None)],
             Duration::ZERO,
         );
-        let err = follow(
-            &ours,
-            &zygote_fd,
-            "p",
-            clones(1),
-            Instant::now(),
-            Duration::from_secs(60),
-        )
-        .expect_err("no pid, no success");
+        let err = run(&ours, &zygote_fd, clones(1)).expect_err("no pid, no success");
         fake.join().unwrap();
         assert!(
             matches!(&err, ZygoteError::CloneFailed { name, reason, .. } if name == "c-0" && reason.contains("never said which process")),
@@ -1291,15 +1304,7 @@ mod tests {
             ),
         ];
         let fake = fake_zygote(theirs, 2, script, Duration::from_secs(1));
-        let err = follow(
-            &ours,
-            &zygote_fd,
-            "p",
-            clones(2),
-            Instant::now(),
-            Duration::from_secs(60),
-        )
-        .expect_err("a clone failed");
+        let err = run(&ours, &zygote_fd, clones(2)).expect_err("a clone failed");
         fake.join().unwrap();
         assert!(
             matches!(&err, ZygoteError::CloneFailed { name, reason, killed: 2, .. } if name == "c-1" && reason == "no KVM for you"),
@@ -1331,15 +1336,7 @@ mod tests {
             theirs.send_with_fd(&huge[..], b_raw).expect("send");
             std::thread::sleep(Duration::from_secs(1));
         });
-        let err = follow(
-            &ours,
-            &zygote_fd,
-            "p",
-            clones(1),
-            Instant::now(),
-            Duration::from_secs(60),
-        )
-        .expect_err("the zygote broke the protocol");
+        let err = run(&ours, &zygote_fd, clones(1)).expect_err("the zygote broke the protocol");
         fake.join().unwrap();
         assert!(matches!(err, ZygoteError::Protocol(_)), "{err}");
         assert!(was_killed(a), "the clone handed over is killed");
@@ -1359,15 +1356,7 @@ mod tests {
         // The socket stays open (a clone may still hold it) while the zygote dies.
         let fake = fake_zygote(theirs, 2, vec![], Duration::from_secs(3));
         zygote.kill().unwrap();
-        let err = follow(
-            &ours,
-            &zygote_fd,
-            "p",
-            clones(2),
-            Instant::now(),
-            Duration::from_secs(60),
-        )
-        .expect_err("no zygote, no clones");
+        let err = run(&ours, &zygote_fd, clones(2)).expect_err("no zygote, no clones");
         assert!(
             matches!(&err, ZygoteError::CloneFailed { reason, .. } if reason.contains("zygote ended before it made its process")),
             "{err}"
@@ -1384,16 +1373,7 @@ mod tests {
         ours.set_nonblocking(true).unwrap();
         let mut clone = info(0);
         clone.console_log = std::ffi::OsStr::from_bytes(b"/tmp/\xff.log").into();
-        let log = File::open("/dev/null").unwrap();
-        let err = follow(
-            &ours,
-            &zygote_fd,
-            "p",
-            vec![(clone, log)],
-            Instant::now(),
-            Duration::from_secs(60),
-        )
-        .expect_err("a path that is not UTF-8");
+        let err = run(&ours, &zygote_fd, vec![clone]).expect_err("a path that is not UTF-8");
         assert!(
             matches!(&err, ZygoteError::CloneFailed { reason, .. } if reason.contains("not UTF-8")),
             "{err}"

@@ -55,6 +55,10 @@ struct Args {
     /// in 175 ms in /tmp on ext4, 127 ms on tmpfs).
     #[arg(long, default_value = "/dev/shm")]
     fork_dir: PathBuf,
+    /// Fork with "overcommit": the host's memory is checked only for the clones' VMMs (for
+    /// counts like 10,000 idle probe clones, which the full estimate refuses).
+    #[arg(long)]
+    overcommit: bool,
     /// Write the JSON report here instead of stdout.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -218,6 +222,7 @@ struct SnapshotResult {
 #[derive(Serialize)]
 struct ForkResult {
     clones: u32,
+    overcommit: bool,
     size_mib: u64,
     /// The fork's answer: every clone runs.
     request_to_running_ms: f64,
@@ -360,7 +365,13 @@ fn mem_available_kib() -> u64 {
         .unwrap_or(0)
 }
 
-fn bench_fork(count: u32, size: u64, fork_dir: &Path, checks: &mut Checks) -> ForkResult {
+fn bench_fork(
+    count: u32,
+    size: u64,
+    fork_dir: &Path,
+    overcommit: bool,
+    checks: &mut Checks,
+) -> ForkResult {
     eprintln!("probe bench: fork into {count} clones");
     let dir = if fork_dir.is_dir() {
         TestDir::new_in(fork_dir, &format!("probe-fork-{count}"))
@@ -377,7 +388,7 @@ fn bench_fork(count: u32, size: u64, fork_dir: &Path, checks: &mut Checks) -> Fo
         &sock,
         "PUT",
         "/vm/fork",
-        Some(serde_json::json!({ "count": count })),
+        Some(serde_json::json!({ "count": count, "overcommit": overcommit })),
     );
     let running = monotonic_ns();
     let Some(listed) = answer["clones"].as_array() else {
@@ -452,6 +463,7 @@ fn bench_fork(count: u32, size: u64, fork_dir: &Path, checks: &mut Checks) -> Fo
     ForkResult {
         clones: count,
         size_mib: size,
+        overcommit,
         request_to_running_ms: ms(start, running),
         request_to_all_reported_ms: ms(start, last),
         per_clone_ms: ms(start, running) / f64::from(count),
@@ -569,7 +581,7 @@ fn main() {
     let forks: Vec<ForkResult> = args
         .clones
         .iter()
-        .map(|&n| bench_fork(n, 128, &args.fork_dir, &mut checks))
+        .map(|&n| bench_fork(n, 128, &args.fork_dir, args.overcommit, &mut checks))
         .collect();
     let report = Report {
         benchmark: "probe",

@@ -7,7 +7,7 @@
 //! | `PUT /vm/pause`     | none                                                  | [`Action::Pause`]     |
 //! | `PUT /vm/resume`    | none                                                  | [`Action::Resume`]    |
 //! | `PUT /vm/snapshot`  | `{"path": "/some/dir"}`                               | [`Action::Snapshot`]  |
-//! | `PUT /vm/fork`      | `{"count": N, "name_prefix": "s", "parent": "paused"}`| [`Action::Fork`]      |
+//! | `PUT /vm/fork`      | `{"count": N, "name_prefix": "s", "parent": "paused", "overcommit": true}`| [`Action::Fork`]      |
 //! | `PUT /vm/shutdown`  | none                                                  | [`Action::Shutdown`]  |
 //!
 //! The routes into the guest (exec and files, through the guest agent) are in [`guest`]:
@@ -55,13 +55,10 @@ pub enum Action {
     /// PUT /vm/snapshot  body {"path": "/some/dir"}  (path required, non-empty string)
     Snapshot { path: PathBuf },
     /// PUT /vm/fork  body {"count": N, "name_prefix": "optional string", "parent":
-    /// "running"|"paused" (optional, default "running")}. `count` is at most
-    /// [`MAX_FORK_COUNT`]; whether 0 makes sense is the VM's call.
-    Fork {
-        count: u32,
-        name_prefix: Option<String>,
-        parent_paused: bool,
-    },
+    /// "running"|"paused" (optional, default "running"), "overcommit": bool (optional,
+    /// default false)}. `count` is at most [`MAX_FORK_COUNT`]; whether 0 makes sense is the
+    /// VM's call.
+    Fork(crate::fork::ForkRequest),
     /// PUT /vm/shutdown
     Shutdown,
 }

@@ -21,6 +21,7 @@ use super::guest;
 use super::http::{self, Refusal, Request};
 use super::socket::{self, MAX_SOCKET_PATH};
 use super::{Action, ApiCall, ApiError, Reply, Services, MAX_FORK_COUNT};
+use crate::fork::ForkRequest;
 
 /// How long the server waits for the parts of a request and for the VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -796,7 +797,12 @@ fn parse_snapshot(endpoint: &str, body: &[u8]) -> Result<Action, String> {
 
 fn parse_fork(endpoint: &str, body: &[u8]) -> Result<Action, String> {
     const EXAMPLE: &str = r#"{"count": 2, "name_prefix": "web", "parent": "paused"}"#;
-    let object = json_object(endpoint, body, &["count", "name_prefix", "parent"], EXAMPLE)?;
+    let object = json_object(
+        endpoint,
+        body,
+        &["count", "name_prefix", "parent", "overcommit"],
+        EXAMPLE,
+    )?;
     let count = match object.get("count") {
         None | Some(Value::Null) => {
             return Err(format!(
@@ -837,9 +843,22 @@ fn parse_fork(endpoint: &str, body: &[u8]) -> Result<Action, String> {
             ))
         }
     };
-    Ok(Action::Fork {
+    let overcommit = match object.get("overcommit") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(overcommit)) => *overcommit,
+        Some(other) => {
+            return Err(format!(
+                "the field \"overcommit\" of {endpoint} must be true or false (true: count only \
+                 what starting the clones costs the host, not the guest memory they will write), \
+                 not {}",
+                clip_json(other)
+            ))
+        }
+    };
+    Ok(Action::Fork(ForkRequest {
         count,
         name_prefix,
         parent_paused,
-    })
+        overcommit,
+    }))
 }

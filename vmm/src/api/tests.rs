@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::*;
+use crate::fork::ForkRequest;
 
 /// The controller's event enum, as the VM's would be.
 #[derive(Debug)]
@@ -35,8 +36,8 @@ fn answer(action: &Action) -> Reply {
         Action::Describe => Reply::ok(json!({"state": "running"})),
         Action::Pause | Action::Resume | Action::Shutdown => Reply::no_content(),
         Action::Snapshot { path } => Reply::ok(json!({ "path": path })),
-        Action::Fork { count: 0, .. } => Reply::error(400, "count must be at least 1"),
-        Action::Fork { count, .. } => Reply::ok(json!({ "clones": count })),
+        Action::Fork(ForkRequest { count: 0, .. }) => Reply::error(400, "count must be at least 1"),
+        Action::Fork(ForkRequest { count, .. }) => Reply::ok(json!({ "clones": count })),
     }
 }
 
@@ -200,33 +201,48 @@ fn every_action_makes_the_round_trip() {
             "PUT",
             "/vm/fork",
             Some(json!({"count": 3})),
-            Action::Fork {
+            Action::Fork(ForkRequest {
                 count: 3,
                 name_prefix: None,
                 parent_paused: false,
-            },
+                overcommit: false,
+            }),
             200,
         ),
         (
             "PUT",
             "/vm/fork",
             Some(json!({"count": 1000000, "name_prefix": "web", "parent": "paused"})),
-            Action::Fork {
+            Action::Fork(ForkRequest {
                 count: 1_000_000,
                 name_prefix: Some("web".into()),
                 parent_paused: true,
-            },
+                overcommit: false,
+            }),
             200,
         ),
         (
             "PUT",
             "/vm/fork",
             Some(json!({"count": 2, "name_prefix": null, "parent": "running"})),
-            Action::Fork {
+            Action::Fork(ForkRequest {
                 count: 2,
                 name_prefix: None,
                 parent_paused: false,
-            },
+                overcommit: false,
+            }),
+            200,
+        ),
+        (
+            "PUT",
+            "/vm/fork",
+            Some(json!({"count": 2, "overcommit": true})),
+            Action::Fork(ForkRequest {
+                count: 2,
+                name_prefix: None,
+                parent_paused: false,
+                overcommit: true,
+            }),
             200,
         ),
     ];
@@ -246,7 +262,7 @@ fn fork_count_zero_is_the_vms_business() {
     assert_eq!(message, "count must be at least 1");
     assert!(matches!(
         f.actions.try_recv().unwrap(),
-        Action::Fork { count: 0, .. }
+        Action::Fork(ForkRequest { count: 0, .. })
     ));
 }
 
@@ -339,6 +355,7 @@ fn bad_bodies_get_400_naming_the_problem() {
     assert!(fork(r#"{"name_prefix": "x"}"#).contains("needs the field \"count\""));
     assert!(fork(r#"{"count": 1, "name_prefix": 5}"#).contains("\"name_prefix\""));
     assert!(fork(r#"{"count": 1, "parent": "sleeping"}"#).contains("\"parent\""));
+    assert!(fork(r#"{"count": 1, "overcommit": "yes"}"#).contains("\"overcommit\""));
 
     let snapshot = |body: Option<Value>| f.error("PUT", "/vm/snapshot", body, 400);
     assert!(snapshot(None).contains("\"path\""));
