@@ -473,9 +473,11 @@ fn forks_beyond_the_vmms_descriptor_and_cgroup_limits_are_refused_before_any_clo
     refused(100, "RLIMIT_NOFILE");
     prlimit(&soft);
 
-    // Tasks: the parent in a cgroup of its own with room for a few more.
-    let (_, own) = pids_hierarchy();
-    let cgroup = own.join(format!("mayfly-test-{}", std::process::id()));
+    // Tasks: the parent in a cgroup of its own with room for a few more, made at the top of
+    // the hierarchy (under cgroup v2, a cgroup holding processes, such as a login session's,
+    // cannot give its children a pids controller).
+    let (mount, own) = pids_hierarchy();
+    let cgroup = mount.join(format!("mayfly-test-{}", std::process::id()));
     std::fs::create_dir(&cgroup).unwrap();
     std::fs::write(cgroup.join("cgroup.procs"), &pid).unwrap();
     let current: u64 = std::fs::read_to_string(cgroup.join("pids.current"))

@@ -261,13 +261,15 @@ fn pids_cgroups() -> Vec<(PathBuf, PathBuf)> {
     };
     let mut found = Vec::new();
     for line in mountinfo.lines() {
-        // "... mount-point options ... - fstype source super-options"
+        // "id parent-id major:minor root mount-point options ... - fstype source super-options"
         let Some((left, right)) = line.split_once(" - ") else {
             continue;
         };
-        let Some(mount) = left.split_whitespace().nth(4) else {
+        let mut fields = left.split_whitespace();
+        let (Some(root), Some(mount)) = (fields.nth(3), fields.next()) else {
             continue;
         };
+        let (root, mount) = (unescape(root), unescape(mount));
         let mut right = right.split_whitespace();
         let (fstype, super_options) = (right.next(), right.nth(1).unwrap_or(""));
         let v2 = match fstype {
@@ -275,15 +277,54 @@ fn pids_cgroups() -> Vec<(PathBuf, PathBuf)> {
             Some("cgroup") if super_options.split(',').any(|o| o == "pids") => false,
             _ => continue,
         };
-        if let Some(path) = path_of(v2) {
-            let mount = PathBuf::from(mount);
-            found.push((mount.clone(), mount.join(path)));
+        // The path is from the root of the hierarchy; the mount shows it from `root` down
+        // (a container's cgroup namespace, or a bind mount of a subtree).
+        let Some(path) = path_of(v2) else { continue };
+        let root = root.trim_start_matches('/');
+        let Some(below) = path
+            .strip_prefix(root)
+            .filter(|below| root.is_empty() || below.is_empty() || below.starts_with('/'))
+        else {
+            continue;
+        };
+        let below = below.trim_start_matches('/');
+        if below.split('/').any(|part| part == "..") {
+            continue;
         }
+        let mount = PathBuf::from(mount);
+        found.push((mount.clone(), mount.join(below)));
     }
     found
 }
 
-/// Tasks (threads) of this process's real user, from /proc.
+/// A path from /proc/self/mountinfo, whose spaces, tabs, newlines and backslashes are
+/// written as octal escapes.
+fn unescape(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let octal = bytes
+            .get(i + 1..i + 4)
+            .filter(|d| bytes[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        if let Some(digits) = octal {
+            out.push(
+                digits
+                    .iter()
+                    .fold(0u8, |n, d| n.wrapping_mul(8).wrapping_add(d - b'0')),
+            );
+            i += 4;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Tasks (threads) of this process's real user, from /proc: best effort (in a container, or
+/// with /proc mounted hidepid, it sees fewer than RLIMIT_NPROC counts, and the fork can still
+/// fail half-way, with the clones it started killed).
 fn user_tasks() -> u64 {
     // SAFETY: getuid has no preconditions.
     let uid = unsafe { libc::getuid() }.to_string();
@@ -668,5 +709,12 @@ mod tests {
         assert_eq!(memory_needed(10_000, 128, false).0, 60_000);
         assert_eq!(memory_needed(10_000, 128, true).0, 20_000);
         assert!(memory_needed(1, 128, true).1.contains("overcommit"));
+    }
+
+    #[test]
+    fn mountinfo_paths_are_unescaped() {
+        assert_eq!(unescape("/sys/fs/cgroup"), "/sys/fs/cgroup");
+        assert_eq!(unescape("/a\\040b\\134c"), "/a b\\c");
+        assert_eq!(unescape("/x\\04"), "/x\\04");
     }
 }

@@ -506,7 +506,12 @@ fn serve(
     };
     trace::event("vcpus_started");
     if let Some(ready) = ready {
-        ready.ready();
+        if !ready.ready() {
+            // The fork that made this clone cannot hear of it (it has failed or gone), so
+            // nobody would know this VM runs.
+            eprintln!("mayfly: the fork that started this clone is gone; the clone stops");
+            std::process::exit(1);
+        }
     }
     signals.forward_to(controller.event_sender.clone());
     let exit = controller.run();

@@ -79,8 +79,12 @@ enum Message {
     Forked { index: u32, pid: u32 },
     /// Zygote → forking VMM: no process for this clone.
     NotForked { index: u32, reason: String },
-    /// Clone → forking VMM: its vCPUs run.
-    Ready { index: u32 },
+    /// Clone → forking VMM: its vCPUs run (its own pidfd attached, so that the forking VMM
+    /// can stop it even if the zygote's word on it never comes).
+    Ready { index: u32, pid: u32 },
+    /// Forking VMM → zygote: the fork failed; kill every clone process you made, reap them,
+    /// and exit.
+    Abort,
     /// Clone → forking VMM: it could not start (it exits).
     Failed { index: u32, reason: String },
     /// Zygote → forking VMM: a clone's process ended.
@@ -407,33 +411,58 @@ impl Zygote {
                 reaper::adopt(pidfds);
                 Ok(infos)
             }
-            Err(mut err) => {
-                // Clones that have not reported yet die with the zygote (their parent-death
-                // signal); those whose pidfd was still on its way are killed from the queue.
-                let _ = self.process.kill();
+            Err((mut err, mut pidfds)) => {
+                // The zygote kills and reaps every clone it made (it is their parent, and may
+                // do so by pid); one that does not in time is killed, and its clones that have
+                // not reported die with it (their parent-death signal).
+                send(&socket, &Message::Abort);
+                let exited = poll(&[(self.pidfd.as_raw_fd(), libc::POLLIN)], EXIT_GRACE)
+                    .is_ok_and(|revents| revents[0] != 0);
+                if !exited {
+                    let _ = self.process.kill();
+                }
                 let _ = self.process.wait();
+                // Whatever pidfd is still on its way (a clone's Ready, the zygote's Forked)
+                // names a process that must not run either.
                 let queued = kill_queued(&socket);
                 if let ZygoteError::CloneFailed { killed, .. } = &mut err {
-                    *killed += queued;
+                    *killed += queued.len();
                 }
+                pidfds.extend(queued);
+                // A VMM that inherits the zygote's orphans reaps them.
+                reaper::adopt(pidfds);
                 Err(err)
             }
         }
     }
 }
 
-/// Kill every process whose pidfd is still queued on the fork's socket; returns how many.
-fn kill_queued(socket: &UnixDatagram) -> usize {
+/// How long a failed fork keeps reading its socket for pidfds still on their way.
+const DRAIN_GRACE: Duration = Duration::from_millis(50);
+
+/// Kill every process whose pidfd is still queued on the fork's socket, or arrives within
+/// `DRAIN_GRACE`; returns their pidfds.
+fn kill_queued(socket: &UnixDatagram) -> Vec<OwnedFd> {
     let mut buf = vec![0u8; MAX_MESSAGE];
-    let mut killed = 0;
+    let mut killed = Vec::new();
+    let deadline = Instant::now() + DRAIN_GRACE;
     loop {
         let fds = match receive(socket, &mut buf) {
             Ok(Received::Message(_, fd)) => fd.into_iter().collect(),
             Ok(Received::Truncated(fds)) => fds,
-            Ok(Received::End) | Err(_) => return killed,
+            Ok(Received::End) => return killed,
+            Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {
+                let remaining = deadline.saturating_duration_since(Instant::now());
+                match poll(&[(socket.as_raw_fd(), libc::POLLIN)], remaining) {
+                    Ok(revents) if revents[0] != 0 && !remaining.is_zero() => continue,
+                    _ => return killed,
+                }
+            }
+            Err(err) if err.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return killed,
         };
         fds.iter().for_each(pidfd_kill);
-        killed += fds.len();
+        killed.extend(fds);
     }
 }
 
@@ -487,24 +516,26 @@ impl Follow {
     }
 
     fn handle(&mut self, message: Message, fd: Option<OwnedFd>) {
+        if let (Some(stray), false) = (
+            &fd,
+            matches!(message, Message::Forked { .. } | Message::Ready { .. }),
+        ) {
+            // Only a clone's process comes with a message: a descriptor with anything else
+            // is a pidfd nobody follows.
+            pidfd_kill(stray);
+        }
         match message {
             Message::Unusable { reason } => {
                 self.failure.get_or_insert(ZygoteError::Unusable(reason));
             }
             Message::Forked { index, pid } => {
-                let Some(entry) = self.pending.get_mut(&index) else {
-                    // Not a clone of this fork: whatever it is, it must not run.
-                    if let Some(fd) = &fd {
-                        pidfd_kill(fd);
-                    }
-                    return;
-                };
-                if entry.pidfd.is_none() {
-                    entry.info.pid = pid;
-                    entry.pidfd = fd;
-                }
+                self.take_pidfd(index, pid, fd);
                 self.answer(index);
-                if self.pending[&index].pidfd.is_none() {
+                if self
+                    .pending
+                    .get(&index)
+                    .is_some_and(|entry| entry.pidfd.is_none())
+                {
                     self.settle(
                         index,
                         Err("the zygote did not pass its process's pidfd".into()),
@@ -516,13 +547,50 @@ impl Follow {
                 self.settle(index, Err(reason));
             }
             Message::Failed { index, reason } => self.settle(index, Err(reason)),
-            Message::Ready { index } => self.settle(index, Ok(())),
+            Message::Ready { index, pid } => {
+                // With its own pidfd, a clone that runs is known even if the zygote's word
+                // on it never comes.
+                if fd.is_some() && self.take_pidfd(index, pid, fd) {
+                    self.answer(index);
+                }
+                self.settle(index, Ok(()));
+            }
             Message::Exited { index, status } => self.settle(
                 index,
                 Err(format!("its process ended ({status}) before it reported")),
             ),
-            Message::Start { .. } => {}
+            Message::Start { .. } | Message::Abort => {}
         }
+    }
+
+    /// Keep `fd` as the pidfd of clone `index` (process `pid`) if it has none yet. A pidfd
+    /// that cannot be this clone's (no such clone, or another process than the one already
+    /// known) names a process nobody follows: it is killed, and the fork fails. Returns
+    /// whether the clone now has a pidfd.
+    fn take_pidfd(&mut self, index: u32, pid: u32, fd: Option<OwnedFd>) -> bool {
+        let Some(entry) = self.pending.get_mut(&index) else {
+            if let Some(fd) = fd {
+                pidfd_kill(&fd);
+                self.failure.get_or_insert(ZygoteError::Protocol(
+                    "a process for a clone this fork did not ask for",
+                ));
+            }
+            return false;
+        };
+        match (&entry.pidfd, fd) {
+            (None, Some(fd)) => {
+                entry.info.pid = pid;
+                entry.pidfd = Some(fd);
+            }
+            (Some(_), Some(fd)) if entry.info.pid != pid => {
+                pidfd_kill(&fd);
+                self.failure
+                    .get_or_insert(ZygoteError::Protocol("two processes for one clone"));
+            }
+            // The same process again, or no pidfd with the message.
+            _ => {}
+        }
+        entry.pidfd.is_some()
     }
 
     /// The zygote has ended: it will answer for no more clones, and clones that have not
@@ -543,15 +611,15 @@ impl Follow {
         }
     }
 
-    /// Kill every clone this fork has a pidfd for; returns how many that is.
-    fn kill_all(&self) -> usize {
-        let pidfds: Vec<&OwnedFd> = self
+    /// Kill every clone this fork has a pidfd for; returns their pidfds.
+    fn kill_all(&mut self) -> Vec<OwnedFd> {
+        let pidfds: Vec<OwnedFd> = self
             .pending
-            .values()
-            .filter_map(|entry| entry.pidfd.as_ref())
+            .values_mut()
+            .filter_map(|entry| entry.pidfd.take())
             .collect();
-        pidfds.iter().for_each(|pidfd| pidfd_kill(pidfd));
-        pidfds.len()
+        pidfds.iter().for_each(pidfd_kill);
+        pidfds
     }
 }
 
@@ -565,14 +633,17 @@ struct Fork<'a> {
     open_log: &'a dyn Fn(&CloneInfo) -> std::io::Result<File>,
 }
 
+/// A fork that failed: its first failure, and the pidfds of the clones it killed.
+type ForkFailed = (ZygoteError, Vec<OwnedFd>);
+
 /// The forking VMM's side of steps 3 and 4: returns every clone with its pidfd once all run,
-/// or the first failure once every clone it knows of is killed.
+/// or the first failure once every clone it knows of is killed (with their pidfds).
 fn follow(
     fork: &Fork,
     clones: Vec<CloneInfo>,
     since: Instant,
     timeout: Duration,
-) -> Result<Vec<(CloneInfo, OwnedFd)>, ZygoteError> {
+) -> Result<Vec<(CloneInfo, OwnedFd)>, ForkFailed> {
     let order: Vec<u32> = clones.iter().map(|info| info.index).collect();
     let mut state = Follow {
         open: order.len(),
@@ -621,11 +692,11 @@ fn follow(
         }
     }
     if let Some(mut err) = state.failure.take() {
-        let count = state.kill_all();
+        let pidfds = state.kill_all();
         if let ZygoteError::CloneFailed { killed, .. } = &mut err {
-            *killed += count;
+            *killed += pidfds.len();
         }
-        return Err(err);
+        return Err((err, pidfds));
     }
     let mut pending = state.pending;
     Ok(order
@@ -674,39 +745,25 @@ fn run_follow(
         let revents = poll(&fds, remaining).map_err(io("wait for the fork's clones"))?;
         if revents[0] & libc::POLLOUT != 0 {
             if let Some(&index) = unsent.peek() {
-                send_start(state, fork, index)?;
-                unsent.next();
+                if send_start(state, fork, index)? {
+                    unsent.next();
+                }
             }
         }
         let readable = revents[0] & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
         if readable {
-            match receive(socket, &mut buf) {
-                Ok(Received::Message(len, fd)) => {
-                    // Only this fork's own processes write here; a message that does not
-                    // parse is ignored (its clone then fails for want of a report).
-                    if let Ok(message) = serde_json::from_slice::<Message>(&buf[..len]) {
-                        state.handle(message, fd);
-                    } else if let Some(fd) = fd {
-                        pidfd_kill(&fd);
-                    }
-                }
-                Ok(Received::Truncated(fds)) => {
-                    fds.iter().for_each(pidfd_kill);
-                    return Err(ZygoteError::Protocol(
-                        "a message too long, or with more than one descriptor",
-                    ));
-                }
+            if !read_one(state, socket, &mut buf)? {
                 // Every sender is gone: the clones still open never will report.
-                Ok(Received::End) => return Ok(()),
-                Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(err) => return Err(io("read the fork's socket")(err)),
+                return Ok(());
             }
         } else if zygote_alive && revents[1] != 0 {
-            // The zygote has ended and everything it sent has been read (the socket had
-            // nothing more this time round).
-            zygote_alive = false;
-            state.zygote_ended();
+            // The zygote has ended, and so has every send it made; but what it sent may have
+            // arrived after poll looked at the socket: its end counts once the socket is
+            // empty (until then the next round reads on).
+            if no_message(socket) {
+                zygote_alive = false;
+                state.zygote_ended();
+            }
         } else if !zygote_alive {
             for (slot, index) in watched.into_iter().enumerate() {
                 if revents[slot + 1] != 0 {
@@ -718,9 +775,51 @@ fn run_follow(
     Ok(())
 }
 
+/// Read and handle one message, if there is one. Returns false at the end of the stream.
+fn read_one(
+    state: &mut Follow,
+    socket: &UnixDatagram,
+    buf: &mut [u8],
+) -> Result<bool, ZygoteError> {
+    match receive(socket, buf) {
+        Ok(Received::Message(len, fd)) => {
+            // Only this fork's own processes write here; a message that does not parse is
+            // ignored (its clone then fails for want of a report).
+            if let Ok(message) = serde_json::from_slice::<Message>(&buf[..len]) {
+                state.handle(message, fd);
+            } else if let Some(fd) = fd {
+                pidfd_kill(&fd);
+            }
+            Ok(true)
+        }
+        Ok(Received::Truncated(fds)) => {
+            fds.iter().for_each(pidfd_kill);
+            Err(ZygoteError::Protocol(
+                "a message too long, or with more than one descriptor",
+            ))
+        }
+        Ok(Received::End) => Ok(false),
+        Err(err)
+            if matches!(
+                err.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+            ) =>
+        {
+            Ok(true)
+        }
+        Err(err) => Err(io("read the fork's socket")(err)),
+    }
+}
+
+/// Whether nothing is waiting on the socket now.
+fn no_message(socket: &UnixDatagram) -> bool {
+    poll(&[(socket.as_raw_fd(), libc::POLLIN)], Duration::ZERO).is_ok_and(|revents| revents[0] == 0)
+}
+
 /// Send one clone's request, its console log attached. A clone whose request cannot be made
-/// fails (and so ends the fork) without reaching the zygote.
-fn send_start(state: &mut Follow, fork: &Fork, index: u32) -> Result<(), ZygoteError> {
+/// fails (and so ends the fork) without reaching the zygote. Returns false if the socket had
+/// no room after all (the request goes again on the next POLLOUT).
+fn send_start(state: &mut Follow, fork: &Fork, index: u32) -> Result<bool, ZygoteError> {
     let entry = state
         .pending
         .get_mut(&index)
@@ -744,11 +843,12 @@ fn send_start(state: &mut Follow, fork: &Fork, index: u32) -> Result<(), ZygoteE
         Err(reason) => {
             state.answer(index);
             state.settle(index, Err(reason));
-            return Ok(());
+            return Ok(true);
         }
     };
     match fork.socket.send_with_fd(&message[..], log.as_raw_fd()) {
-        Ok(_) => Ok(()),
+        Ok(_) => Ok(true),
+        Err(e) if e.errno() == libc::EAGAIN => Ok(false),
         Err(e) => Err(io("send a clone request to the fork's zygote")(
             std::io::Error::from_raw_os_error(e.errno()),
         )),
@@ -846,11 +946,28 @@ pub struct Reporter {
 
 impl Reporter {
     /// The clone runs: from now on it outlives the zygote (so its parent-death signal is
-    /// cleared before the word goes out, on the thread that set it).
-    pub fn ready(self) {
-        // SAFETY: prctl with plain integer arguments.
-        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, 0, 0, 0, 0) };
-        send(&self.socket, &Message::Ready { index: self.index });
+    /// cleared before the word goes out, on the thread that set it). Its own pidfd goes with
+    /// the word. Returns false if the word could not be sent: nobody knows of this clone
+    /// then, and it must stop.
+    pub fn ready(self) -> bool {
+        // SAFETY: prctl with plain integer arguments; getpid has no preconditions.
+        let pid = unsafe {
+            libc::prctl(libc::PR_SET_PDEATHSIG, 0, 0, 0, 0);
+            libc::getpid()
+        };
+        let Some(message) = encode(&Message::Ready {
+            index: self.index,
+            pid: pid.unsigned_abs(),
+        }) else {
+            return false;
+        };
+        match pidfd_open(pid) {
+            Ok(pidfd) => self
+                .socket
+                .send_with_fd(&message[..], pidfd.as_raw_fd())
+                .is_ok(),
+            Err(_) => self.socket.send(&message).is_ok(),
+        }
     }
 
     /// The clone could not start (it is about to exit).
@@ -972,6 +1089,10 @@ pub fn serve(state_fd: RawFd, memory_fd: RawFd, socket_fd: RawFd, clone_main: Cl
         };
         let (parent, clone) = match serde_json::from_slice(&buf[..len]) {
             Ok(Message::Start { parent, clone }) => (parent, clone),
+            Ok(Message::Abort) => {
+                abort(&mut children);
+                return 1;
+            }
             _ => {
                 if let Some(index) = index_of_bad_request(&buf[..len]) {
                     let reason = "its request to the zygote did not parse".to_string();
@@ -1019,6 +1140,20 @@ pub fn serve(state_fd: RawFd, memory_fd: RawFd, socket_fd: RawFd, clone_main: Cl
             let reason = format!("its process could not be handed over ({err}); it was killed");
             send(&socket, &Message::NotForked { index, reason });
         }
+    }
+}
+
+/// The fork failed: kill every clone process this zygote made and reap them (by pid: they are
+/// its children, not yet reaped, so the pids are theirs).
+fn abort(children: &mut HashMap<libc::pid_t, u32>) {
+    for &pid in children.keys() {
+        // SAFETY: kill of our own child, not yet reaped.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    for (pid, _) in children.drain() {
+        let mut status = 0;
+        // SAFETY: waitpid on our own child; `status` receives its status.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
     }
 }
 
@@ -1148,7 +1283,7 @@ mod tests {
             parent: "p",
             open_log: &|_| File::open("/dev/null"),
         };
-        follow(&fork, clones, Instant::now(), Duration::from_secs(60))
+        follow(&fork, clones, Instant::now(), Duration::from_secs(60)).map_err(|(err, _)| err)
     }
 
     /// A process standing in for a clone (or the zygote), and its pidfd.
@@ -1203,9 +1338,15 @@ mod tests {
                 match receive(&theirs, &mut buf).expect("receive a request") {
                     Received::Message(len, fd) => {
                         assert!(fd.is_some(), "a request comes with its console log");
+                        let fd = fd.unwrap();
+                        // SAFETY: F_GETFD on a descriptor this test owns.
+                        let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFD) };
+                        assert!(flags & libc::FD_CLOEXEC != 0, "received close-on-exec");
                         got.push(serde_json::from_slice(&buf[..len]).expect("a request parses"));
                     }
-                    _ => panic!("expected a request"),
+                    // The fork ended before it sent them all.
+                    Received::End => break,
+                    Received::Truncated(_) => panic!("expected a request"),
                 }
             }
             for (msg, fd) in script {
@@ -1227,7 +1368,7 @@ mod tests {
         let (ours, theirs) = seqpacket_pair().unwrap();
         ours.set_nonblocking(true).unwrap();
         let script = vec![
-            (Message::Ready { index: 0 }, None),
+            (Message::Ready { index: 0, pid: 0 }, None),
             (
                 Message::Forked {
                     index: 0,
@@ -1244,6 +1385,9 @@ mod tests {
         );
         assert_eq!(started.len(), 1);
         assert_eq!(started[0].0.pid, clone.id());
+        // SAFETY: F_GETFD on a descriptor this test owns.
+        let flags = unsafe { libc::fcntl(started[0].1.as_raw_fd(), libc::F_GETFD) };
+        assert!(flags & libc::FD_CLOEXEC != 0, "pidfds arrive close-on-exec");
         assert!(
             !was_killed(clone),
             "a clone of a fork that succeeded is left running"
@@ -1260,7 +1404,7 @@ mod tests {
         let fake = fake_zygote(
             theirs,
             1,
-            vec![(Message::Ready { index: 0 }, None)],
+            vec![(Message::Ready { index: 0, pid: 0 }, None)],
             Duration::ZERO,
         );
         let err = run(&ours, &zygote_fd, clones(1)).expect_err("no pid, no success");
@@ -1269,6 +1413,41 @@ mod tests {
             matches!(&err, ZygoteError::CloneFailed { name, reason, .. } if name == "c-0" && reason.contains("never said which process")),
             "{err}"
         );
+        stop(zygote);
+    }
+
+    #[test]
+    fn a_clone_known_only_by_its_own_report_is_killed_when_the_fork_fails() {
+        // The zygote forked it but never said so (it stalled or died); the clone ran and
+        // reported with its own pidfd, then another clone failed.
+        let (zygote, zygote_fd) = process();
+        let (a, a_fd) = process();
+        let (ours, theirs) = seqpacket_pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let script = vec![
+            (
+                Message::Ready {
+                    index: 0,
+                    pid: a.id(),
+                },
+                Some(a_fd.as_raw_fd()),
+            ),
+            (
+                Message::NotForked {
+                    index: 1,
+                    reason: "fork(2) failed".into(),
+                },
+                None,
+            ),
+        ];
+        let fake = fake_zygote(theirs, 2, script, Duration::from_secs(1));
+        let err = run(&ours, &zygote_fd, clones(2)).expect_err("a clone failed");
+        fake.join().unwrap();
+        assert!(
+            matches!(&err, ZygoteError::CloneFailed { name, .. } if name == "c-1"),
+            "{err}"
+        );
+        assert!(was_killed(a), "the clone that reported by itself is killed");
         stop(zygote);
     }
 
@@ -1287,7 +1466,7 @@ mod tests {
                 },
                 Some(a_fd.as_raw_fd()),
             ),
-            (Message::Ready { index: 0 }, None),
+            (Message::Ready { index: 0, pid: 0 }, None),
             (
                 Message::Forked {
                     index: 1,
@@ -1354,7 +1533,7 @@ mod tests {
         let (ours, theirs) = seqpacket_pair().unwrap();
         ours.set_nonblocking(true).unwrap();
         // The socket stays open (a clone may still hold it) while the zygote dies.
-        let fake = fake_zygote(theirs, 2, vec![], Duration::from_secs(3));
+        let fake = fake_zygote(theirs, 2, vec![], Duration::from_secs(2));
         zygote.kill().unwrap();
         let err = run(&ours, &zygote_fd, clones(2)).expect_err("no zygote, no clones");
         assert!(
@@ -1362,6 +1541,7 @@ mod tests {
             "{err}"
         );
         assert!(!still_running(&mut zygote));
+        drop(ours);
         fake.join().unwrap();
     }
 
