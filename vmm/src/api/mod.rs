@@ -73,8 +73,9 @@ pub struct Services {
     pub refresh: std::sync::Arc<crate::agent::RefreshStatus>,
 }
 
-/// The largest `count` the server passes on in a fork request.
-pub const MAX_FORK_COUNT: u32 = 1_000_000;
+/// The largest `count` the server passes on in a fork request: the fork path's own limit, so
+/// that the two cannot disagree.
+pub const MAX_FORK_COUNT: u32 = crate::fork::MAX_CLONES;
 
 /// The VM's answer: an HTTP status and an optional JSON body.
 #[derive(Debug, Clone, PartialEq)]

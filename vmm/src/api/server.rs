@@ -816,7 +816,7 @@ fn parse_fork(endpoint: &str, body: &[u8]) -> Result<Action, String> {
             .ok_or_else(|| {
                 format!(
                     "the field \"count\" of {endpoint} must be an integer from 0 to \
-                     {MAX_FORK_COUNT}, not {}",
+                     {MAX_FORK_COUNT} (the most clones mayfly allows in one fork), not {}",
                     clip_json(value)
                 )
             })?,
