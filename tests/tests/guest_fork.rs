@@ -214,7 +214,7 @@ fn bad_fork_requests_are_refused_and_the_parent_keeps_running() {
         );
     };
     refused(&["--count", "0"], "at least 1");
-    refused(&["--count", "100000"], "more than mayfly allows");
+    refused(&["--count", "100000"], "the most clones mayfly allows");
     // More clones than host memory holds (at least 2 MiB each, whatever the guest's size): a
     // count from what the host has available, which a host with over 20 GB available cannot
     // be refused within the 10,000-clone limit, so it says so rather than fork them all.
