@@ -154,7 +154,7 @@ fn available_mib() -> Option<u64> {
     Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? / 1024)
 }
 
-fn read_number(path: &str) -> Option<u64> {
+fn read_number(path: impl AsRef<Path>) -> Option<u64> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
@@ -199,9 +199,9 @@ fn task_limits() -> Vec<TaskLimit> {
     for (mount, leaf) in pids_cgroups() {
         let mut dir = leaf;
         loop {
-            let max = std::fs::read_to_string(dir.join("pids.max")).ok();
-            let limit = max.as_deref().and_then(|m| m.trim().parse::<u64>().ok());
-            let in_use = read_number(&dir.join("pids.current").to_string_lossy());
+            // "max" (no limit) reads as no number.
+            let limit = read_number(dir.join("pids.max"));
+            let in_use = read_number(dir.join("pids.current"));
             if let (Some(limit), Some(in_use)) = (limit, in_use) {
                 limits.push(TaskLimit {
                     what: format!("pids.max of the cgroup {}", dir.display()),

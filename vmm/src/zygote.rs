@@ -133,13 +133,18 @@ fn encode(message: &Message) -> Option<Vec<u8>> {
         .filter(|bytes| bytes.len() <= MAX_MESSAGE)
 }
 
-/// `reason` cut to at most `MAX_REASON` bytes, at a character boundary.
-fn cut(reason: &str) -> String {
-    let mut end = reason.len().min(MAX_REASON);
-    while !reason.is_char_boundary(end) {
+/// The longest start of `text` of at most `max` bytes that ends at a character boundary.
+fn prefix(text: &str, max: usize) -> &str {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
         end -= 1;
     }
-    reason[..end].to_string()
+    &text[..end]
+}
+
+/// `reason` cut to at most `MAX_REASON` bytes.
+fn cut(reason: &str) -> String {
+    prefix(reason, MAX_REASON).to_string()
 }
 
 /// Send a message that always encodes (no paths in it; its reason cut); errors are the
@@ -309,15 +314,9 @@ const EXIT_GRACE: Duration = Duration::from_secs(2);
 
 impl Drop for Zygote {
     fn drop(&mut self) {
-        // The end of the stream tells the zygote to exit; one that does not (stuck, or
-        // stopped) is killed, so that dropping it never hangs the VMM.
+        // The end of the stream tells the zygote to exit.
         drop(self.socket.take());
-        let exited = poll(&[(self.pidfd.as_raw_fd(), libc::POLLIN)], EXIT_GRACE)
-            .is_ok_and(|revents| revents[0] != 0);
-        if !exited {
-            let _ = self.process.kill();
-        }
-        let _ = self.process.wait();
+        self.finish();
     }
 }
 
@@ -384,6 +383,18 @@ impl Zygote {
         Ok(zygote)
     }
 
+    /// Wait for the zygote, told to exit, to end; one that does not within `EXIT_GRACE`
+    /// (stuck, or stopped) is killed, so that this never hangs the VMM. Once it has ended
+    /// (and been reaped) this returns at once.
+    fn finish(&mut self) {
+        let exited = poll(&[(self.pidfd.as_raw_fd(), libc::POLLIN)], EXIT_GRACE)
+            .is_ok_and(|revents| revents[0] != 0);
+        if !exited {
+            let _ = self.process.kill();
+        }
+        let _ = self.process.wait();
+    }
+
     /// Steps 3 and 4, the forking VMM's side: ask for every clone (each with its console log)
     /// and follow them until each runs or one fails, or `timeout` passes. On any failure the
     /// zygote and every clone of this fork are killed and the first failure returned; on
@@ -417,12 +428,7 @@ impl Zygote {
                 // do so by pid); one that does not in time is killed, and its clones that have
                 // not reported die with it (their parent-death signal).
                 send(&socket, &Message::Abort);
-                let exited = poll(&[(self.pidfd.as_raw_fd(), libc::POLLIN)], EXIT_GRACE)
-                    .is_ok_and(|revents| revents[0] != 0);
-                if !exited {
-                    let _ = self.process.kill();
-                }
-                let _ = self.process.wait();
+                self.finish();
                 // Whatever pidfd is still on its way (a clone's Ready, the zygote's Forked)
                 // names a process that must not run either.
                 let queued = kill_queued(&socket);
@@ -1031,12 +1037,9 @@ fn thread_count() -> usize {
 
 /// Name this process (or thread) as `ps -o comm` and `top` show it: at most 15 bytes.
 fn set_comm(name: &str) {
-    let mut end = name.len().min(15);
-    while !name.is_char_boundary(end) {
-        end -= 1;
-    }
+    let name = prefix(name, 15).as_bytes();
     let mut comm = [0u8; 16];
-    comm[..end].copy_from_slice(&name.as_bytes()[..end]);
+    comm[..name.len()].copy_from_slice(name);
     // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
     unsafe { libc::prctl(libc::PR_SET_NAME, comm.as_ptr()) };
 }
