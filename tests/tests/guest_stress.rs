@@ -56,7 +56,23 @@ struct Tally {
     restores: u32,
     stalled: u32,
     crashed: u32,
+    /// VMs whose counter stood still across the three quick reads but moved within the bound:
+    /// slow (the rig's emulated CPU shared by a dozen VMs), not stalled. Counted and reported.
+    slow: u32,
+    /// The longest a slow VM's counter took to move.
+    slowest: Duration,
     evidence: Vec<String>,
+}
+
+/// What checking one VM found.
+enum Outcome {
+    Answered,
+    /// Answered, but its counter took this long to move.
+    Slow(Duration),
+    Failed {
+        crashed: bool,
+        report: String,
+    },
 }
 
 impl Tally {
@@ -178,31 +194,56 @@ fn console_answers(input: &Path, log: &Path, token: &str) -> bool {
 
 /// Check every started VM at once (each on a thread of its own).
 fn check_all(vms: &[Started], before: u64, tally: &mut Tally) {
-    let results: Vec<Option<(bool, String)>> = std::thread::scope(|scope| {
+    let results: Vec<Outcome> = std::thread::scope(|scope| {
         let handles: Vec<_> = vms
             .iter()
             .map(|vm| scope.spawn(move || check(vm, before)))
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    for (crashed, report) in results.into_iter().flatten() {
-        if crashed {
-            tally.crashed += 1;
-        } else {
-            tally.stalled += 1;
-        }
-        eprintln!("guest_stress: FAILURE {report}");
-        if tally.evidence.len() < MAX_EVIDENCE {
-            tally.evidence.push(report);
+    for (vm, outcome) in vms.iter().zip(results) {
+        match outcome {
+            Outcome::Answered => {}
+            Outcome::Slow(took) => {
+                eprintln!(
+                    "guest_stress: slow, not stalled: {}: its counter moved after {took:.1?}",
+                    vm.what
+                );
+                tally.slow += 1;
+                tally.slowest = tally.slowest.max(took);
+            }
+            Outcome::Failed { crashed, report } => {
+                if crashed {
+                    tally.crashed += 1;
+                } else {
+                    tally.stalled += 1;
+                }
+                eprintln!("guest_stress: FAILURE {report}");
+                if tally.evidence.len() < MAX_EVIDENCE {
+                    tally.evidence.push(report);
+                }
+            }
         }
     }
 }
 
+/// What the guest's own processes are doing, through its agent: every process's state and
+/// wait channel, and the kernel stack of any in uninterruptible sleep (D). The evidence for a
+/// guest that answers its agent while its workload stands still.
+const GUEST_TASKS: &str = "for d in /proc/[0-9]*; do s=$(cut -d' ' -f3 $d/stat 2>/dev/null); \
+echo \"${d#/proc/} $s $(cat $d/comm 2>/dev/null) $(cat $d/wchan 2>/dev/null)\"; \
+[ \"$s\" = D ] && cat $d/stack 2>/dev/null; done; echo uptime $(cat /proc/uptime); \
+echo loadavg $(cat /proc/loadavg); echo count $(cat /tmp/count); date";
+
 /// Check one started VM: three commands (the counter moves, the RNG answers) and, for a
-/// clone, one line through its console. A failure: whether the VMM crashed, and the report.
-fn check(vm: &Started, before: u64) -> Option<(bool, String)> {
+/// clone, one line through its console. A counter that stands still across the three is read
+/// again until ANSWER_BOUND has passed since the first read: one that moves by then belongs
+/// to a slow VM (counted apart), one that does not to a stalled one.
+fn check(vm: &Started, before: u64) -> Outcome {
     let mut counts = Vec::new();
     let mut problem = None;
+    let mut slow = None;
+    let first = Instant::now();
     for round in 0..3 {
         match answer(
             &vm.sock,
@@ -229,7 +270,15 @@ fn check(vm: &Started, before: u64) -> Option<(bool, String)> {
                 "the counter went back: {before} before, {counts:?}"
             ));
         } else if counts[2] <= counts[0] {
-            problem = Some(format!("the counter stopped: {counts:?}"));
+            match counter_moves(&vm.sock, counts[0], first + ANSWER_BOUND) {
+                Ok(()) => slow = Some(first.elapsed()),
+                Err(why) => {
+                    let tasks = answer(&vm.sock, GUEST_TASKS).unwrap_or_else(|e| e);
+                    problem = Some(format!(
+                        "the counter stopped: {counts:?}, then {why}\n--- its processes ---\n{tasks}"
+                    ));
+                }
+            }
         }
     }
     if problem.is_none() {
@@ -239,7 +288,12 @@ fn check(vm: &Started, before: u64) -> Option<(bool, String)> {
             }
         }
     }
-    let problem = problem?;
+    let Some(problem) = problem else {
+        return match slow {
+            Some(took) => Outcome::Slow(took),
+            None => Outcome::Answered,
+        };
+    };
     let crashed = !alive(vm.pid);
     if !crashed {
         // SAFETY: kill(2) asking the VMM for its state dump (into its log).
@@ -258,7 +312,25 @@ fn check(vm: &Started, before: u64) -> Option<(bool, String)> {
         dump_of(&vm.log),
         tail(&vm.log, 4_000)
     );
-    Some((crashed, report))
+    Outcome::Failed { crashed, report }
+}
+
+/// Read the counter until it is past `seen` (Ok) or `deadline` passes (Err: the last reading).
+fn counter_moves(sock: &Path, seen: u64, deadline: Instant) -> Result<(), String> {
+    loop {
+        let now = match answer(sock, "cat /tmp/count") {
+            Ok(out) => match out.trim().parse::<u64>() {
+                Ok(n) if n > seen => return Ok(()),
+                Ok(n) => format!("still {n}"),
+                Err(_) => format!("answered {out:?}"),
+            },
+            Err(e) => e,
+        };
+        if Instant::now() >= deadline {
+            return Err(format!("{now} after {ANSWER_BOUND:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }
 
 fn stop(pid: u32) {
@@ -403,6 +475,8 @@ fn clones_and_restores_of_a_busy_guest_all_answer() {
         "restores": tally.restores,
         "stalled": tally.stalled,
         "crashed": tally.crashed,
+        "slow": tally.slow,
+        "slowest_counter_seconds": tally.slowest.as_secs_f64(),
         "failure_rate": f64::from(tally.failed()) / f64::from((tally.starts + tally.restores).max(1)),
         "seconds": start.elapsed().as_secs_f64(),
         "clones_per_fork": clones,
