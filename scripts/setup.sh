@@ -66,6 +66,12 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 command -v cargo >/dev/null || { say "cargo is missing: install Rust (https://rustup.rs), then run this again"; exit 1; }
 
+# cargo-fuzz (libFuzzer), for the fuzz targets' short runs in tests/run (fuzz/run).
+command -v cargo-fuzz >/dev/null || {
+    say "installing cargo-fuzz (crates.io)"
+    cargo install --quiet --locked cargo-fuzz@0.13.2
+}
+
 guest-kernel/build.sh microvm >/dev/null
 rootfs/build.sh guest >/dev/null
 # The Debian root file system image (`mayfly run --rootfs debian`; the disk tests boot it).

@@ -688,6 +688,17 @@ fn clip_json(value: &Value) -> String {
     clip(&value.to_string())
 }
 
+/// Read one request from `stream` and route it, as a connection's handler does before it
+/// acts on it (nothing is acted on): the entry point of the control-socket fuzz target
+/// (`fuzz/`). True if the request names an action.
+#[doc(hidden)]
+pub fn read_and_route(stream: &UnixStream, idle: Duration, total: Duration) -> bool {
+    match http::read_request(stream, idle, total, guest::streams_body) {
+        Ok(request) => route(&request).is_ok(),
+        Err(_) => false,
+    }
+}
+
 fn route(request: &Request) -> Result<Action, Rejection> {
     let rejection = |status, message| Rejection {
         reply: Reply::error(status, message),

@@ -269,6 +269,7 @@ impl Block {
         'batch: loop {
             // The driver need not notify while we are draining anyway.
             let _ = active.queue.disable_notification(mem);
+            let mut popped = false;
             loop {
                 if served >= usize::from(QUEUE_SIZE) {
                     more = true;
@@ -276,11 +277,15 @@ impl Block {
                 }
                 let chain = match active.queue.iter(mem) {
                     Ok(mut iter) => iter.next(),
-                    // Not ready, or an avail index beyond what the queue can hold: stop.
-                    Err(_) => None,
+                    // Not ready, or an avail index beyond what the queue can hold: stop until
+                    // the next notification. (Not `None`: notifications back on would find
+                    // the same index "pending" and come round again, forever; the fuzzer's
+                    // first find.)
+                    Err(_) => break 'batch,
                 };
                 let Some(chain) = chain else { break };
                 let head = chain.head_index();
+                popped = true;
                 let len = self.engine.handle(mem, chain);
                 served += 1;
                 // Only the used ring being unwritable fails this: the queue is unusable.
@@ -290,7 +295,16 @@ impl Block {
             }
             // Notifications back on; anything that came meanwhile is served in this batch.
             match active.queue.enable_notification(mem) {
-                Ok(true) => continue,
+                Ok(true) if popped => continue,
+                // More is pending, yet nothing could be popped: the driver added it just now,
+                // or it laid its rings over each other so that turning notifications on or
+                // off moves its avail index (the fuzzer's second find: that spun here
+                // forever). Come back on the loop's next turn, where a pause or reset can
+                // get in between.
+                Ok(true) => {
+                    more = true;
+                    break;
+                }
                 _ => break,
             }
         }

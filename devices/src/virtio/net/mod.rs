@@ -434,6 +434,7 @@ impl Net {
         let mut handled = 0;
         let mut iovs: Vec<libc::iovec> = Vec::with_capacity(64);
         let _ = active.queues[TX].disable_notification(&active.mem);
+        let mut rechecked = false;
         loop {
             if handled >= TX_BUDGET {
                 // More may wait: come back once RX has had its turn.
@@ -448,13 +449,23 @@ impl Net {
             };
             let Some(chain) = chain else {
                 match queues[TX].enable_notification(&*mem) {
-                    Ok(true) => {
+                    // More arrived meanwhile: once. Pending again with nothing popped means
+                    // rings laid over each other, so that turning notifications on or off
+                    // moves the avail index (the fuzzer found that spin in the block device):
+                    // come back on the loop's next turn instead.
+                    Ok(true) if !rechecked => {
+                        rechecked = true;
                         let _ = queues[TX].disable_notification(&*mem);
                         continue;
+                    }
+                    Ok(true) => {
+                        let _ = self.queue_events[TX].write(1);
+                        break;
                     }
                     _ => break,
                 }
             };
+            rechecked = false;
             let head = chain.head_index();
             handled += 1;
             let mut hdr = [0u8; VNET_HDR_LEN];
@@ -575,6 +586,7 @@ impl Net {
         // Where bytes 10 and 11 of the header (num_buffers) went.
         let mut num_buffers_at = [None::<GuestAddress>; 2];
         let mut malformed = false;
+        let mut rechecked = false;
         while written < frame.len() {
             if !mergeable && !self.rx_used.is_empty() {
                 // One buffer per frame, and this one did not fit: drop the frame and leave the
@@ -591,9 +603,13 @@ impl Net {
             };
             let Some(chain) = chain else {
                 // Not enough buffers yet. Ask to be told of more (the driver's notification
-                // threshold is what was taken so far), unless more arrived meanwhile.
+                // threshold is what was taken so far), unless more arrived meanwhile: once
+                // (see the TX side: overlapping rings would make this spin).
                 match queue.enable_notification(&*mem) {
-                    Ok(true) => continue,
+                    Ok(true) if !rechecked => {
+                        rechecked = true;
+                        continue;
+                    }
                     _ => {
                         // Put back what was taken; the frame waits for more buffers.
                         queue.set_next_avail(start);
@@ -601,6 +617,7 @@ impl Net {
                     }
                 }
             };
+            rechecked = false;
             let head = chain.head_index();
             if head >= queue.size() {
                 // A head beyond the table: nothing to write into or give back.
