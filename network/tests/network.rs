@@ -24,8 +24,8 @@ const OTHER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const DNS: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 53);
 
 fn require_root_and_tools() {
-    // SAFETY: geteuid has no preconditions.
     assert_eq!(
+        // SAFETY: geteuid has no preconditions.
         unsafe { libc::geteuid() },
         0,
         "these tests need root (network namespaces, taps, nftables)"

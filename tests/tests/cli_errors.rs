@@ -107,8 +107,8 @@ fn no_permission_on_the_kvm_device() {
         .expect("setpriv (util-linux) is installed");
     let node = scratch("kvm-node", b"");
     std::fs::remove_file(&node).unwrap();
-    // SAFETY: mknod with a valid path and mode; the result is checked.
     let path = std::ffi::CString::new(node.to_str().unwrap()).unwrap();
+    // SAFETY: mknod with a valid path and mode; the result is checked.
     let rc = unsafe { libc::mknod(path.as_ptr(), libc::S_IFCHR | 0o600, libc::makedev(10, 232)) };
     assert_eq!(rc, 0, "mknod: {}", std::io::Error::last_os_error());
     let out = Command::new(setpriv)

@@ -277,8 +277,8 @@ fn leftovers_of_a_killed_snapshot_are_cleaned_up_by_the_next_one() {
     let live = dir.join(".other.tmp-1-2");
     std::fs::create_dir_all(&live).unwrap();
     let held = std::fs::File::open(&live).unwrap();
-    // SAFETY: flock on a descriptor this test owns.
     assert_eq!(
+        // SAFETY: flock on a descriptor this test owns.
         unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX) },
         0
     );

@@ -540,9 +540,9 @@ impl Disk {
                     }
                 }
                 Source::Base => {
-                    // SAFETY: as above. Past the base's end (or if it shrank) the rest is
-                    // zeros.
+                    // Past the base's end (or if it shrank) the rest is zeros.
                     let done = if from < self.base_size {
+                        // SAFETY: as above.
                         unsafe { preadv_full(&self.base, from, self.sub.as_mut_slice()) }.map_err(
                             |source| DiskError::Io {
                                 path: self.base_path.clone(),

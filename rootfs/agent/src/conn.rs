@@ -86,8 +86,8 @@ impl Listener {
                         libc::SOCK_CLOEXEC,
                     )
                 })?;
-                // SAFETY: accept4 succeeded: `new` is an open fd that nothing else owns.
                 Ok(Conn {
+                    // SAFETY: accept4 succeeded: `new` is an open fd that nothing else owns.
                     fd: unsafe { OwnedFd::from_raw_fd(new) },
                 })
             }

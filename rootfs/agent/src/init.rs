@@ -277,9 +277,10 @@ fn spawn_console_shell(shell: &str) -> io::Result<libc::pid_t> {
         .stdout(Stdio::from(tty.try_clone()?))
         .stderr(Stdio::from(tty));
     let setup = || -> io::Result<()> {
-        // SAFETY (for the calls below): in the forked child before exec, only
-        // async-signal-safe syscalls; stdin is already the console. TIOCSCTTY's 1 takes the
-        // console even if the kernel made it PID 1's controlling terminal (we are root).
+        // TIOCSCTTY's 1 takes the console even if the kernel made it PID 1's controlling
+        // terminal (we are root).
+        // SAFETY: in the forked child before exec, the calls below make only
+        // async-signal-safe syscalls; stdin is already the console.
         unsafe {
             if libc::setsid() == -1 || libc::ioctl(0, libc::TIOCSCTTY, 1) == -1 {
                 return Err(io::Error::last_os_error());

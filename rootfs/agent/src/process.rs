@@ -125,7 +125,7 @@ impl Switch {
 /// controlling terminal) and as `switch`'s user.
 pub fn configure(cmd: &mut Command, switch: Option<Switch>) {
     let child_setup = move || -> io::Result<()> {
-        // SAFETY (for the calls below): this runs in the forked child before exec. It
+        // SAFETY: the calls below run in the forked child before exec. It
         // calls only async-signal-safe syscall wrappers and allocates nothing: the group
         // list was built before the fork; the pointer and length describe that vector.
         unsafe {

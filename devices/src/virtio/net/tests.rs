@@ -841,8 +841,8 @@ fn without_guest_announce_a_restored_device_flaps_its_link() {
 /// host's network stack).
 #[test]
 fn frames_cross_a_real_tap() {
-    // SAFETY: geteuid has no preconditions.
     assert_eq!(
+        // SAFETY: geteuid has no preconditions.
         unsafe { libc::geteuid() },
         0,
         "this test needs root (a tap in a network namespace of its own)"
