@@ -16,6 +16,7 @@ pub const MAGIC: [u8; 8] = *b"MAYFLYSN";
 pub const FORMAT_VERSION: u32 = 3;
 /// Decoding never allocates beyond this, whatever a damaged length field says: no more than
 /// the largest state file holds.
+#[allow(clippy::cast_possible_truncation)] // 64 MiB: a u64 constant that fits any usize here.
 const DECODE_LIMIT: usize = crate::open::MAX_STATE_BYTES as usize;
 
 /// What a snapshot was taken on.
@@ -85,7 +86,9 @@ pub fn encode<B: Serialize>(header: &Header, body: &B) -> Result<Vec<u8>, Snapsh
     let mut out = Vec::with_capacity(8 + 4 + 4 + header.len() + 8 + body.len() + 4);
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    let header_len = u32::try_from(header.len())
+        .map_err(|_| SnapshotError::Encode(format!("a {} byte header", header.len())))?;
+    out.extend_from_slice(&header_len.to_le_bytes());
     out.extend_from_slice(&header);
     out.extend_from_slice(&(body.len() as u64).to_le_bytes());
     out.extend_from_slice(&body);

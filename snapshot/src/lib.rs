@@ -11,6 +11,16 @@
 //!
 //! Devices define their saved state next to themselves (`mayfly_devices`); this crate ties the
 //! pieces together and reads and writes the state file.
+// Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
+// why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
 
 pub mod file;
 pub mod open;

@@ -171,7 +171,7 @@ pub fn read_capped(file: &File, shown: &Path) -> Result<Vec<u8>, SnapshotError> 
         });
     }
     // `len` is at most MAX_STATE_BYTES, so the buffer is bounded whatever the file says.
-    let mut bytes = vec![0u8; len as usize];
+    let mut bytes = vec![0u8; usize::try_from(len).expect("MAX_STATE_BYTES fits a usize")];
     let mut done = 0usize;
     while done < bytes.len() {
         match file.read_at(&mut bytes[done..], done as u64) {

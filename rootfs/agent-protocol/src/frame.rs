@@ -110,7 +110,8 @@ pub fn encode_frame(kind: FrameType, payload: &[u8]) -> Result<Vec<u8>, Protocol
             len: payload.len(),
         });
     }
-    let len = (payload.len() + 1) as u32;
+    // At most MAX_FRAME (checked above), which fits the u32 length field.
+    let len = u32::try_from(payload.len() + 1).expect("a frame length within MAX_FRAME");
     let mut buf = Vec::with_capacity(5 + payload.len());
     buf.extend_from_slice(&len.to_be_bytes());
     buf.push(kind.as_byte());

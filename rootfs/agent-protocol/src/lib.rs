@@ -11,6 +11,16 @@
 //!
 //! A session is one operation per connection: the agent sends HELLO, the host sends one
 //! REQUEST, the agent answers and closes.
+// Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
+// why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
 
 pub mod base64;
 pub mod client;
