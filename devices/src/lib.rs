@@ -2,6 +2,16 @@
 //!
 //! Each device is a plain struct that the VMM puts on an I/O bus ([`bus::PioBus`]); a device's
 //! saved state, when it has one, is defined next to the device so snapshots stay in step with it.
+// Lossy `as` casts are refused here (tests aside): the devices read what a guest wrote, and
+// every conversion that can lose bits says why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
 
 pub mod bus;
 pub mod disk;

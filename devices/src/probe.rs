@@ -82,7 +82,9 @@ pub fn monotonic_ns() -> u64 {
     };
     // SAFETY: clock_gettime fills the timespec we own.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    // CLOCK_MONOTONIC is never negative.
+    let (sec, nsec) = (ts.tv_sec.unsigned_abs(), ts.tv_nsec.unsigned_abs());
+    sec * 1_000_000_000 + nsec
 }
 
 fn to_u64(data: &[u8]) -> u64 {

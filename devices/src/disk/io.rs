@@ -168,7 +168,9 @@ unsafe fn vectored_full(
         let batch = &iov[start..iov.len().min(start + IOV_MAX)];
         let offset = libc::off_t::try_from(pos)
             .map_err(|_| std::io::Error::from(ErrorKind::InvalidInput))?;
-        let (fd, ptr, count) = (file.as_raw_fd(), batch.as_ptr(), batch.len() as libc::c_int);
+        // At most IOV_MAX (1024) entries.
+        let count = libc::c_int::try_from(batch.len()).expect("a batch of at most IOV_MAX");
+        let (fd, ptr) = (file.as_raw_fd(), batch.as_ptr());
         // SAFETY: the iovecs point at memory the caller guarantees writable (a read) or
         // readable (a write) for their lengths; the count is at most IOV_MAX.
         let n = unsafe {
@@ -177,18 +179,19 @@ unsafe fn vectored_full(
                 Direction::Write => libc::pwritev(fd, ptr, count, offset),
             }
         };
-        if n < 0 {
+        // Negative: the call failed.
+        let Ok(n) = usize::try_from(n) else {
             let err = std::io::Error::last_os_error();
             if err.kind() == ErrorKind::Interrupted {
                 continue;
             }
             return Err(err);
-        }
+        };
         if n == 0 {
             return Ok(start);
         }
         pos += n as u64;
-        advance(iov, &mut start, n as usize);
+        advance(iov, &mut start, n);
     }
     Ok(start)
 }

@@ -18,8 +18,24 @@ use super::DiskError;
 
 /// Bytes per block: the unit a layer stores and maps.
 pub const BLOCK_SIZE: u64 = 4096;
+/// [`BLOCK_SIZE`] as a length in memory.
+pub const BLOCK_BYTES: usize = 4096;
 /// Bytes of the header at the start of every layer file.
 pub const HEADER_LEN: u64 = 4096;
+/// [`HEADER_LEN`] as a length in memory.
+const HEADER_BYTES: usize = 4096;
+const _: () = assert!(BLOCK_BYTES as u64 == BLOCK_SIZE && HEADER_BYTES as u64 == HEADER_LEN);
+/// The header's own record of the two, as the format stores them (u32).
+const HEADER_LEN_FIELD: u32 = 4096;
+const BLOCK_SIZE_FIELD: u32 = 4096;
+const _: () =
+    assert!(HEADER_LEN_FIELD as u64 == HEADER_LEN && BLOCK_SIZE_FIELD as u64 == BLOCK_SIZE);
+
+/// A size in bytes of something this process holds in memory (a block map, part of a block):
+/// bounded by MAX_DISK_SIZE's map or by a block, so it fits a usize (x86-64 only).
+pub(crate) fn in_memory(bytes: u64) -> usize {
+    usize::try_from(bytes).expect("a size bounded by the disk format fits in memory")
+}
 /// The first bytes of every layer file.
 pub const MAGIC: [u8; 8] = *b"MAYFLYCW";
 /// The format version this code writes and reads.
@@ -47,7 +63,7 @@ const OFF_MAP_LEN: usize = 80;
 const OFF_DATA_OFFSET: usize = 88;
 const OFF_BASE_LEN: usize = 96;
 const OFF_BASE: usize = 98;
-const OFF_CHECKSUM: usize = HEADER_LEN as usize - 8;
+const OFF_CHECKSUM: usize = HEADER_BYTES - 8;
 
 /// A layer's random 128-bit identity. A parent link names the layer below by it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Default, PartialOrd, Ord, Serialize, Deserialize)]
@@ -63,14 +79,15 @@ impl LayerId {
             let n = unsafe {
                 libc::getrandom(bytes[filled..].as_mut_ptr().cast(), bytes.len() - filled, 0)
             };
-            if n < 0 {
+            // Negative: the call failed.
+            let Ok(n) = usize::try_from(n) else {
                 let err = std::io::Error::last_os_error();
                 if err.kind() == ErrorKind::Interrupted {
                     continue;
                 }
                 return Err(err);
-            }
-            filled += n as usize;
+            };
+            filled += n;
         }
         Ok(Self(bytes))
     }
@@ -224,11 +241,11 @@ pub(crate) fn now_unix_ns() -> u64 {
 
 /// The header block of `info`.
 fn encode_header(info: &LayerInfo, geo: &Geometry) -> Vec<u8> {
-    let mut buf = vec![0u8; HEADER_LEN as usize];
+    let mut buf = vec![0u8; HEADER_BYTES];
     buf[..8].copy_from_slice(&MAGIC);
     buf[OFF_VERSION..OFF_VERSION + 4].copy_from_slice(&VERSION.to_le_bytes());
-    buf[OFF_HEADER_LEN..OFF_HEADER_LEN + 4].copy_from_slice(&(HEADER_LEN as u32).to_le_bytes());
-    buf[OFF_BLOCK_SIZE..OFF_BLOCK_SIZE + 4].copy_from_slice(&(BLOCK_SIZE as u32).to_le_bytes());
+    buf[OFF_HEADER_LEN..OFF_HEADER_LEN + 4].copy_from_slice(&HEADER_LEN_FIELD.to_le_bytes());
+    buf[OFF_BLOCK_SIZE..OFF_BLOCK_SIZE + 4].copy_from_slice(&BLOCK_SIZE_FIELD.to_le_bytes());
     let flags = if info.frozen { FLAG_FROZEN } else { 0 };
     buf[OFF_FLAGS..OFF_FLAGS + 4].copy_from_slice(&flags.to_le_bytes());
     buf[OFF_DISK_SIZE..OFF_DISK_SIZE + 8].copy_from_slice(&info.disk_size.to_le_bytes());
@@ -241,7 +258,11 @@ fn encode_header(info: &LayerInfo, geo: &Geometry) -> Vec<u8> {
     buf[OFF_MAP_LEN..OFF_MAP_LEN + 8].copy_from_slice(&geo.map_len.to_le_bytes());
     buf[OFF_DATA_OFFSET..OFF_DATA_OFFSET + 8].copy_from_slice(&geo.data_offset.to_le_bytes());
     let base = info.base_identity.as_bytes();
-    buf[OFF_BASE_LEN..OFF_BASE_LEN + 2].copy_from_slice(&(base.len() as u16).to_le_bytes());
+    buf[OFF_BASE_LEN..OFF_BASE_LEN + 2].copy_from_slice(
+        &u16::try_from(base.len())
+            .expect("a base identity within MAX_BASE_IDENTITY")
+            .to_le_bytes(),
+    );
     buf[OFF_BASE..OFF_BASE + base.len()].copy_from_slice(base);
     let sum = fnv1a(&buf[..OFF_CHECKSUM]);
     buf[OFF_CHECKSUM..].copy_from_slice(&sum.to_le_bytes());
@@ -340,7 +361,7 @@ fn read_header(file: &File, path: &Path) -> Result<(LayerInfo, Geometry), DiskEr
             path: path.to_path_buf(),
         });
     }
-    let mut buf = vec![0u8; HEADER_LEN as usize];
+    let mut buf = vec![0u8; HEADER_BYTES];
     if !read_exact_at(file, &mut buf, 0).map_err(|e| io("read the header of", e))? {
         return Err(DiskError::Truncated {
             path: path.to_path_buf(),
@@ -441,9 +462,9 @@ pub(crate) struct BlockMap {
 
 impl BlockMap {
     fn new(geo: &Geometry) -> Self {
-        let pages = geo.map_bytes.div_ceil(BLOCK_SIZE) as usize;
+        let pages = in_memory(geo.map_bytes.div_ceil(BLOCK_SIZE));
         Self {
-            bits: vec![0; geo.map_bytes as usize],
+            bits: vec![0; in_memory(geo.map_bytes)],
             blocks: geo.blocks,
             dirty: vec![0; pages.div_ceil(64)],
             used: 0,
@@ -470,7 +491,7 @@ impl BlockMap {
         let index = (block / 4) as usize;
         let shift = (block % 4) * 2;
         self.bits[index] = (self.bits[index] & !(3 << shift)) | ((state as u8) << shift);
-        let page = index / BLOCK_SIZE as usize;
+        let page = index / BLOCK_BYTES;
         self.dirty[page / 64] |= 1 << (page % 64);
         match (old, state) {
             (BlockState::Absent, _) => self.used += 1,
@@ -675,7 +696,7 @@ impl Layer {
 
     /// Write the changed pages of the map to the file.
     fn write_map(&mut self) -> Result<(), DiskError> {
-        let pages = self.geo.map_bytes.div_ceil(BLOCK_SIZE) as usize;
+        let pages = in_memory(self.geo.map_bytes.div_ceil(BLOCK_SIZE));
         let mut page = 0;
         while page < pages {
             if self.map.dirty[page / 64] & (1 << (page % 64)) == 0 {
@@ -688,8 +709,8 @@ impl Layer {
                 self.map.dirty[page / 64] &= !(1 << (page % 64));
                 page += 1;
             }
-            let start = first * BLOCK_SIZE as usize;
-            let end = (page * BLOCK_SIZE as usize).min(self.map.bits.len());
+            let start = first * BLOCK_BYTES;
+            let end = (page * BLOCK_BYTES).min(self.map.bits.len());
             self.file
                 .write_all_at(
                     &self.map.bits[start..end],

@@ -56,15 +56,15 @@ use serde::{Deserialize, Serialize};
 
 pub use io::IoVecs;
 use io::{gather, preadv_full, punch_hole, pwritev_full, zero, Cursor};
-use layer::{check_base_identity, check_disk_size, open_regular, BlockState, Layer};
-pub use layer::{LayerId, LayerInfo, BLOCK_SIZE, MAX_BASE_IDENTITY, MAX_DISK_SIZE};
+use layer::{check_base_identity, check_disk_size, in_memory, open_regular, BlockState, Layer};
+pub use layer::{LayerId, LayerInfo, BLOCK_BYTES, BLOCK_SIZE, MAX_BASE_IDENTITY, MAX_DISK_SIZE};
 
 /// A chain longer than this is better compacted ([`Disk::needs_compaction`]).
 pub const COMPACT_THRESHOLD: usize = 8;
 /// The most layers a disk may have open at once.
 pub const MAX_LAYERS: usize = 128;
 
-static ZEROS: [u8; BLOCK_SIZE as usize] = [0; BLOCK_SIZE as usize];
+static ZEROS: [u8; BLOCK_BYTES] = [0; BLOCK_BYTES];
 
 /// Why a disk or layer could not be opened, created or used.
 #[derive(Debug, thiserror::Error)]
@@ -357,7 +357,7 @@ impl Disk {
             disk_size,
             layers,
             read_only,
-            scratch: vec![0; BLOCK_SIZE as usize],
+            scratch: vec![0; BLOCK_BYTES],
             sub: IoVecs::with_capacity(64),
             spare: IoVecs::with_capacity(64),
         })
@@ -637,9 +637,9 @@ impl Disk {
         // The request's pieces stay aside while the read below uses the spare list.
         let sub = std::mem::replace(&mut self.sub, std::mem::take(&mut self.spare));
         let result = self.read(start, &mut scratch[..valid]).and_then(|()| {
-            let at = (from - start) as usize;
+            let at = in_memory(from - start);
             // SAFETY: the caller's buffers are readable; the scratch block is ours alone.
-            unsafe { gather(sub.as_slice(), &mut scratch[at..at + (to - from) as usize]) };
+            unsafe { gather(sub.as_slice(), &mut scratch[at..at + in_memory(to - from)]) };
             let layer = &mut self.layers[top];
             std::os::unix::fs::FileExt::write_all_at(&layer.file, &scratch, layer.data_pos(start))
                 .map_err(|e| layer.io_error("write", e))?;
@@ -671,17 +671,17 @@ impl Disk {
         if whole_start >= whole_end {
             // No whole block: the range lies in one block, or in the ends of two.
             let mid = whole_start.min(end);
-            self.write(offset, &ZEROS[..(mid - offset) as usize])?;
+            self.write(offset, &ZEROS[..in_memory(mid - offset)])?;
             if mid < end {
-                self.write(mid, &ZEROS[..(end - mid) as usize])?;
+                self.write(mid, &ZEROS[..in_memory(end - mid)])?;
             }
             return Ok(());
         }
         if offset < whole_start {
-            self.write(offset, &ZEROS[..(whole_start - offset) as usize])?;
+            self.write(offset, &ZEROS[..in_memory(whole_start - offset)])?;
         }
         if whole_end < end {
-            self.write(whole_end, &ZEROS[..(end - whole_end) as usize])?;
+            self.write(whole_end, &ZEROS[..in_memory(end - whole_end)])?;
         }
         let only_layer = top == 0;
         let layer = &mut self.layers[top];
@@ -893,7 +893,9 @@ fn copy_blocks(
     let mut pos = blocks.start * BLOCK_SIZE;
     let end = blocks.end * BLOCK_SIZE;
     while pos < end {
-        let n = ((end - pos) as usize).min(buf.len());
+        let n = usize::try_from(end - pos)
+            .unwrap_or(usize::MAX)
+            .min(buf.len());
         from.file
             .read_exact_at(&mut buf[..n], from.data_pos(pos))
             .map_err(|e| from.io_error("read", e))?;

@@ -294,7 +294,9 @@ impl BusDevice for MmioTransport {
             data.fill(0);
             return;
         }
-        let value = match offset as u32 {
+        // Below VIRTIO_MMIO_CONFIG (checked above), so it fits.
+        let register = u32::try_from(offset).expect("a register offset");
+        let value = match register {
             VIRTIO_MMIO_MAGIC_VALUE => MAGIC,
             VIRTIO_MMIO_VERSION => VERSION,
             VIRTIO_MMIO_DEVICE_ID => lock(&self.device).device_type(),
@@ -302,8 +304,8 @@ impl BusDevice for MmioTransport {
             VIRTIO_MMIO_DEVICE_FEATURES => {
                 let features = lock(&self.device).features();
                 match self.device_features_select {
-                    0 => features as u32,
-                    1 => (features >> 32) as u32,
+                    0 => low_half(features),
+                    1 => low_half(features >> 32),
                     _ => 0,
                 }
             }
@@ -329,7 +331,9 @@ impl BusDevice for MmioTransport {
             |q: &mut Queue, f: fn(&mut Queue, Option<u32>, Option<u32>)| f(q, Some(value), None);
         let high =
             |q: &mut Queue, f: fn(&mut Queue, Option<u32>, Option<u32>)| f(q, None, Some(value));
-        match offset as u32 {
+        // Below VIRTIO_MMIO_CONFIG (checked above), so it fits.
+        let register = u32::try_from(offset).expect("a register offset");
+        match register {
             VIRTIO_MMIO_DEVICE_FEATURES_SEL => self.device_features_select = value,
             VIRTIO_MMIO_DRIVER_FEATURES_SEL => self.driver_features_select = value,
             // Features are fixed once accepted.
@@ -393,6 +397,11 @@ impl BusDevice for MmioTransport {
             _ => {}
         }
     }
+}
+
+/// The low 32 bits of a 64-bit register pair's value (the feature words).
+fn low_half(value: u64) -> u32 {
+    u32::try_from(value & u64::from(u32::MAX)).expect("32 bits")
 }
 
 #[cfg(test)]

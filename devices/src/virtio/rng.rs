@@ -49,14 +49,15 @@ pub fn host_random(buf: &mut [u8]) -> std::io::Result<()> {
         // SAFETY: getrandom writes at most the given length into the rest of our buffer.
         let n =
             unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
-        if n < 0 {
+        // Negative: the call failed.
+        let Ok(n) = usize::try_from(n) else {
             let err = std::io::Error::last_os_error();
             if err.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
             return Err(err);
-        }
-        filled += n as usize;
+        };
+        filled += n;
     }
     Ok(())
 }
@@ -113,7 +114,9 @@ impl Rng {
                 // Descriptors outside guest memory, or too long a chain: nothing written.
                 Err(_) => 0,
             };
-            match complete(&mut active.queue, &active.mem, head, written as u32) {
+            // At most MAX_PER_REQUEST bytes.
+            let written = u32::try_from(written).expect("at most MAX_PER_REQUEST");
+            match complete(&mut active.queue, &active.mem, head, written) {
                 Ok(needs) => notify |= needs,
                 Err(_) => break,
             }

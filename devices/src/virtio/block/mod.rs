@@ -55,11 +55,16 @@ pub const MAX_DISCARD_SECTORS: u32 = 1 << 22;
 pub const MAX_WRITE_ZEROES_SECTORS: u32 = 1 << 22;
 pub const MAX_DISCARD_SEG: u32 = 16;
 /// Discard ranges are aligned to blocks (in sectors).
-const DISCARD_SECTOR_ALIGNMENT: u32 = PHYSICAL_BLOCK_SIZE / SECTOR_SIZE as u32;
+const DISCARD_SECTOR_ALIGNMENT: u32 = PHYSICAL_BLOCK_SIZE / 512;
+const _: () = assert!(SECTOR_SIZE == 512);
 /// Descriptors of one request taken into account; a longer chain is an error (the largest
 /// legal request has SEG_MAX data descriptors, plus header and status).
 const MAX_DESCS: usize = QUEUE_SIZE as usize + 2;
 const HEADER_LEN: u64 = 16;
+/// [`HEADER_LEN`] and [`SEGMENT_LEN`] as lengths in memory.
+const HEADER_BYTES: usize = 16;
+const SEGMENT_BYTES: usize = 16;
+const _: () = assert!(HEADER_BYTES as u64 == HEADER_LEN && SEGMENT_BYTES as u64 == SEGMENT_LEN);
 /// Bytes of one discard / write-zeroes range.
 const SEGMENT_LEN: u64 = 16;
 
@@ -332,8 +337,10 @@ fn config_space(size: u64) -> [u8; CONFIG_LEN] {
     // Topology: physical blocks of 2^3 logical ones, no offset, minimum and optimal I/O of
     // one physical block (in logical blocks).
     let per_physical = PHYSICAL_BLOCK_SIZE / BLK_SIZE;
-    put(24, &[per_physical.trailing_zeros() as u8, 0]);
-    put(26, &(per_physical as u16).to_le_bytes());
+    // Both small: 3, and 8.
+    let exponent = u8::try_from(per_physical.trailing_zeros()).expect("a shift below 32");
+    put(24, &[exponent, 0]);
+    put(26, &u16::try_from(per_physical).expect("8").to_le_bytes());
     put(28, &per_physical.to_le_bytes());
     put(34, &1u16.to_le_bytes()); // num_queues
     put(36, &MAX_DISCARD_SECTORS.to_le_bytes());

@@ -81,7 +81,8 @@ fn collect(descs: &[Desc], mut skip: u64, drop_back: u64, out: &mut Vec<Seg>) ->
         out.push(Seg {
             // Guest addresses that wrap fail the guest memory lookup later.
             addr: d.addr.wrapping_add(skip),
-            len: n as u32,
+            // At most the descriptor's own (u32) length.
+            len: u32::try_from(n).expect("a piece of one descriptor"),
         });
         keep -= n;
         skip = 0;
@@ -206,7 +207,7 @@ impl Engine {
             return IOERR;
         }
         let (readable, writable) = self.descs.split_at(first_write);
-        let mut header = [0u8; HEADER_LEN as usize];
+        let mut header = [0u8; HEADER_BYTES];
         let mut segs = std::mem::take(&mut self.segs);
         collect(readable, 0, 0, &mut segs);
         let header_ok = read_segs(mem, &segs, &mut header);
@@ -284,7 +285,7 @@ impl Engine {
         match unsafe { self.disk.read_vectored(offset, &self.iov) } {
             Ok(()) => {
                 self.counters.bytes_read += len;
-                (VIRTIO_BLK_S_OK, len as u32)
+                (VIRTIO_BLK_S_OK, u32::try_from(len).unwrap_or(u32::MAX))
             }
             Err(_) => IOERR,
         }
@@ -316,7 +317,7 @@ impl Engine {
         let mut segs = std::mem::take(&mut self.segs);
         let room = collect(&self.descs[first_write..], 0, 1, &mut segs);
         let mut at = 0usize;
-        let want = (room as usize).min(SERIAL_LEN);
+        let want = usize::try_from(room).unwrap_or(usize::MAX).min(SERIAL_LEN);
         let mut ok = want > 0;
         for s in &segs {
             if at == want {
@@ -334,7 +335,10 @@ impl Engine {
         }
         self.segs = segs;
         if ok {
-            (VIRTIO_BLK_S_OK, at as u32)
+            (
+                VIRTIO_BLK_S_OK,
+                u32::try_from(at).expect("at most SERIAL_LEN"),
+            )
         } else {
             IOERR
         }
@@ -346,13 +350,14 @@ impl Engine {
         if !len.is_multiple_of(SEGMENT_LEN) || count == 0 || count > u64::from(MAX_DISCARD_SEG) {
             return IOERR;
         }
-        let mut ranges = [0u8; SEGMENT_LEN as usize * MAX_DISCARD_SEG as usize];
-        let ranges = &mut ranges[..len as usize];
+        let mut ranges = [0u8; SEGMENT_BYTES * MAX_DISCARD_SEG as usize];
+        // At most MAX_DISCARD_SEG segments (checked above).
+        let ranges = &mut ranges[..usize::try_from(len).expect("a bounded range list")];
         if !read_segs(mem, &self.segs, ranges) {
             return IOERR;
         }
         // Check every range before changing anything.
-        for r in ranges.chunks_exact(SEGMENT_LEN as usize) {
+        for r in ranges.chunks_exact(SEGMENT_BYTES) {
             let (sector, sectors, flags) =
                 (le_u64(&r[0..8]), le_u32(&r[8..12]), le_u32(&r[12..16]));
             if flags & !VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0 || (discard && flags != 0) {
@@ -371,7 +376,7 @@ impl Engine {
                 return IOERR;
             }
         }
-        for r in ranges.chunks_exact(SEGMENT_LEN as usize) {
+        for r in ranges.chunks_exact(SEGMENT_BYTES) {
             let (sector, sectors) = (le_u64(&r[0..8]), le_u32(&r[8..12]));
             // Discarded ranges read as zeros too: one behaviour, and no stale data.
             if self

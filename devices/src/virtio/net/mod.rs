@@ -65,6 +65,23 @@ const RX: usize = 0;
 const TX: usize = 1;
 const CTRL: usize = 2;
 const QUEUE_SIZE: u16 = 256;
+// virtio-bindings' u32 constants at the widths of the fields they go in (checked below).
+const S_LINK_UP: u16 = 1;
+const S_ANNOUNCE: u16 = 2;
+const HDR_F_NEEDS_CSUM: u8 = 1;
+const CTRL_ANNOUNCE: u8 = 3;
+const CTRL_ANNOUNCE_ACK: u8 = 0;
+const CTRL_OK: u8 = 0;
+const CTRL_ERR: u8 = 1;
+const _: () = assert!(
+    S_LINK_UP as u32 == VIRTIO_NET_S_LINK_UP
+        && S_ANNOUNCE as u32 == VIRTIO_NET_S_ANNOUNCE
+        && HDR_F_NEEDS_CSUM as u32 == VIRTIO_NET_HDR_F_NEEDS_CSUM
+        && CTRL_ANNOUNCE as u32 == VIRTIO_NET_CTRL_ANNOUNCE
+        && CTRL_ANNOUNCE_ACK as u32 == VIRTIO_NET_CTRL_ANNOUNCE_ACK
+        && CTRL_OK as u32 == VIRTIO_NET_OK
+        && CTRL_ERR as u32 == VIRTIO_NET_ERR
+);
 const CTRL_QUEUE_SIZE: u16 = 64;
 /// Control commands handled per event at most.
 const CTRL_BUDGET: usize = 64;
@@ -266,7 +283,7 @@ impl Net {
     pub fn save(&self) -> NetState {
         let status = match self.link.load(Ordering::SeqCst) {
             LINK_DOWN => 0,
-            _ => VIRTIO_NET_S_LINK_UP as u16,
+            _ => S_LINK_UP,
         };
         NetState {
             mac: self.mac,
@@ -337,7 +354,7 @@ impl Net {
     /// The config space: `struct virtio_net_config { u8 mac[6]; le16 status; le16
     /// max_virtqueue_pairs; ... }`.
     fn config(&self, reads_status: bool) -> [u8; 10] {
-        let mut status = VIRTIO_NET_S_LINK_UP as u16;
+        let mut status = S_LINK_UP;
         match self.link.load(Ordering::SeqCst) {
             LINK_UP => {}
             LINK_DOWN => status = 0,
@@ -357,7 +374,7 @@ impl Net {
             }
         }
         if self.announce.load(Ordering::SeqCst) != ANNOUNCE_NONE {
-            status |= VIRTIO_NET_S_ANNOUNCE as u16;
+            status |= S_ANNOUNCE;
         }
         let mut config = [0u8; 10];
         config[..6].copy_from_slice(&self.mac);
@@ -399,7 +416,7 @@ impl Net {
             }
         }
         // Only NEEDS_CSUM means anything on transmit.
-        hdr[0] &= VIRTIO_NET_HDR_F_NEEDS_CSUM as u8;
+        hdr[0] &= HDR_F_NEEDS_CSUM;
         let allowed = match gso {
             VIRTIO_NET_HDR_GSO_NONE => true,
             VIRTIO_NET_HDR_GSO_TCPV4 => self.has(VIRTIO_NET_F_HOST_TSO4),
@@ -652,7 +669,8 @@ impl Net {
                     }
                 }
                 written += take;
-                chain_written += take as u32;
+                // At most the descriptor's own (u32) length.
+                chain_written += u32::try_from(take).expect("a piece of one descriptor");
             }
             if !any || last_next {
                 // The chain ended early (a loop, a `next` past the table): it is broken.
@@ -676,7 +694,10 @@ impl Net {
             }
             return Err(Deliver::Dropped(needs));
         }
-        let count = (self.rx_used.len() as u16).to_le_bytes();
+        // At most a queue's worth of buffers.
+        let count = u16::try_from(self.rx_used.len())
+            .unwrap_or(u16::MAX)
+            .to_le_bytes();
         for (at, byte) in num_buffers_at.iter().zip(count) {
             if let Some(at) = at {
                 let _ = mem.write_obj(byte, *at);
@@ -737,16 +758,8 @@ impl Net {
                 .reader(&*mem)
                 .ok()
                 .and_then(|mut r| r.read_obj::<[u8; 2]>().ok());
-            let is_ack = command
-                == Some([
-                    VIRTIO_NET_CTRL_ANNOUNCE as u8,
-                    VIRTIO_NET_CTRL_ANNOUNCE_ACK as u8,
-                ]);
-            let status = if is_ack {
-                VIRTIO_NET_OK
-            } else {
-                VIRTIO_NET_ERR
-            } as u8;
+            let is_ack = command == Some([CTRL_ANNOUNCE, CTRL_ANNOUNCE_ACK]);
+            let status = if is_ack { CTRL_OK } else { CTRL_ERR };
             // The ack byte is the first writable byte (after the readable command).
             let written = chain
                 .writer(&*mem)

@@ -57,9 +57,11 @@ impl Backend {
         let flags = i32::from(req.flags);
         let needed = libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR;
         if flags & needed != needed {
-            return Err(NetError::TapFlags(flags as u32));
+            return Err(NetError::TapFlags(u32::from(u16::from_ne_bytes(
+                req.flags.to_ne_bytes(),
+            ))));
         }
-        let size: libc::c_int = VNET_HDR_LEN as libc::c_int;
+        let size = libc::c_int::try_from(VNET_HDR_LEN).expect("a 12-byte header");
         // SAFETY: TUNSETVNETHDRSZ reads one int from the pointer.
         let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::TUNSETVNETHDRSZ, &size) };
         if r < 0 {
@@ -75,7 +77,8 @@ impl Backend {
     /// A datagram or seqpacket socket carrying the same header-and-frame messages.
     pub(super) fn socket(fd: OwnedFd) -> Result<Self, NetError> {
         let mut ty: libc::c_int = 0;
-        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        let mut len =
+            libc::socklen_t::try_from(std::mem::size_of::<libc::c_int>()).expect("4 bytes");
         // SAFETY: SO_TYPE writes one int; `len` says how much room there is.
         let r = unsafe {
             libc::getsockopt(
@@ -120,11 +123,15 @@ impl Backend {
     /// # Safety
     /// Every iovec must point at `iov_len` readable bytes that stay mapped during the call.
     pub(super) unsafe fn writev(&self, iov: &[libc::iovec]) -> io::Result<usize> {
-        let count = iov.len().min(libc::UIO_MAXIOV as usize);
+        let count = iov.len().min(MAX_IOV);
         let n = match self.kind {
             // SAFETY: the caller guarantees the buffers; the kernel only reads them.
             Kind::Tap => unsafe {
-                libc::writev(self.fd.as_raw_fd(), iov.as_ptr(), count as libc::c_int)
+                libc::writev(
+                    self.fd.as_raw_fd(),
+                    iov.as_ptr(),
+                    MAX_IOV_C.min(count_c(count)),
+                )
             },
             Kind::Socket => {
                 // SAFETY: an all-zero msghdr is a valid empty one.
@@ -136,21 +143,27 @@ impl Backend {
                 unsafe { libc::sendmsg(self.fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) }
             }
         };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(n as usize)
+        // Negative: the call failed.
+        usize::try_from(n).map_err(|_| io::Error::last_os_error())
     }
 
     /// Read one frame into `buf` (a frame longer than `buf` is cut short by the kernel).
     pub(super) fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
         // SAFETY: read writes at most `buf.len()` bytes into our buffer.
         let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(n as usize)
+        // Negative: the call failed.
+        usize::try_from(n).map_err(|_| io::Error::last_os_error())
     }
+}
+
+/// The most iovecs one writev takes (UIO_MAXIOV, 1024), as a length and as the C count.
+const MAX_IOV: usize = 1024;
+const MAX_IOV_C: libc::c_int = libc::UIO_MAXIOV;
+const _: () = assert!(MAX_IOV_C == 1024);
+
+/// An iovec count at most [`MAX_IOV`] as the C int writev takes.
+fn count_c(count: usize) -> libc::c_int {
+    libc::c_int::try_from(count).unwrap_or(MAX_IOV_C)
 }
 
 impl AsRawFd for Backend {

@@ -570,7 +570,7 @@ impl Vsock {
                 Ok(0) => break,
                 Ok(n) => {
                     conn.pending.drain(..n);
-                    conn.fwd_cnt = conn.fwd_cnt.wrapping_add(n as u32);
+                    conn.fwd_cnt = conn.fwd_cnt.wrapping_add(credit_bytes(n));
                 }
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
@@ -864,10 +864,10 @@ impl Vsock {
                             }
                             Ok(n) => {
                                 let mut hdr = header(guest_cid, key.0, key.1, OP_RW);
-                                hdr.len = n as u32;
+                                hdr.len = credit_bytes(n);
                                 hdr.fwd_cnt = conn.fwd_cnt;
                                 conn.fwd_cnt_told = conn.fwd_cnt;
-                                conn.tx_cnt = conn.tx_cnt.wrapping_add(n as u32);
+                                conn.tx_cnt = conn.tx_cnt.wrapping_add(credit_bytes(n));
                                 // More may be there: stay in the round.
                                 self.ready.push_back(key);
                                 Some(write_rx(&mem, chain, &hdr, &buf[..n]).unwrap_or(0))
@@ -900,7 +900,7 @@ impl Vsock {
                 &mut active.queues[RX],
                 &mem,
                 head,
-                written.unwrap_or(0) as u32,
+                credit_bytes(written.unwrap_or(0)),
             ) {
                 Ok(needs) => notify |= needs,
                 Err(_) => break,
@@ -1006,6 +1006,12 @@ fn header(guest_cid: u64, local_port: u32, peer_port: u32, op: u16) -> Header {
 }
 
 /// `CONNECT <port>` (without the newline) to the port.
+/// A count of bytes moved in one packet or one write (at most [`BUF_ALLOC`] or a packet's
+/// payload) as the u32 virtio-vsock counts in; its counters wrap by design.
+fn credit_bytes(n: usize) -> u32 {
+    u32::try_from(n).expect("at most one buffer's worth")
+}
+
 fn parse_connect_line(line: &[u8]) -> Option<u32> {
     let text = std::str::from_utf8(line).ok()?;
     let port = text.strip_prefix("CONNECT ")?;
