@@ -28,6 +28,16 @@
 //! batch to nftables, the tap opened with an ioctl. The pool ([`Network::prewarm`]) holds
 //! slots built in advance, bind-mounted under `<state_dir>/ns/` until claimed; claiming one
 //! unmounts it, so from then on it lives and dies with the VMM that claimed it.
+// Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
+// why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
 
 mod expose;
 mod netns;
@@ -586,8 +596,9 @@ pub fn fresh_mac() -> MacAddr {
         // Never in practice; fall back on time and pid, still unique enough per host.
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0) as u64
+            // The low 64 bits of the nanoseconds are the ones that change.
+            .map(|d| u64::try_from(d.as_nanos() & u128::from(u64::MAX)).unwrap_or(0))
+            .unwrap_or(0)
             ^ u64::from(std::process::id()) << 32;
         mac.copy_from_slice(&t.to_le_bytes()[..6]);
     }

@@ -287,7 +287,8 @@ pub(crate) fn open_tap(name: &str) -> io::Result<File> {
         .open("/dev/net/tun")?;
     let mut req = [0u8; 40];
     req[..name.len()].copy_from_slice(name.as_bytes());
-    let flags = (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as libc::c_short;
+    let flags = libc::c_short::try_from(libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR)
+        .expect("the tap flags fit a short");
     req[16..18].copy_from_slice(&flags.to_ne_bytes());
     // SAFETY: TUNSETIFF reads and writes a 40-byte struct ifreq.
     let r = unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF, req.as_mut_ptr()) };

@@ -253,7 +253,8 @@ impl Msg {
     }
 
     fn attr(&mut self, ty: u16, data: &[u8]) {
-        let len = (4 + data.len()) as u16;
+        // Attributes are a rule's few bytes (addresses, ports, names).
+        let len = u16::try_from(4 + data.len()).expect("a netlink attribute under 64 KiB");
         self.buf.extend_from_slice(&len.to_ne_bytes());
         self.buf.extend_from_slice(&ty.to_ne_bytes());
         self.buf.extend_from_slice(data);
@@ -276,13 +277,13 @@ impl Msg {
     }
 
     fn end_nest(&mut self, at: usize) {
-        let len = (self.buf.len() - at) as u16;
+        let len = u16::try_from(self.buf.len() - at).expect("a nest of a few attributes");
         self.buf[at..at + 2].copy_from_slice(&len.to_ne_bytes());
     }
 
     fn finish(mut self) -> Vec<u8> {
         self.align();
-        let len = self.buf.len() as u32;
+        let len = u32::try_from(self.buf.len()).expect("a netlink message of one batch");
         self.buf[..4].copy_from_slice(&len.to_ne_bytes());
         self.buf
     }
@@ -398,7 +399,7 @@ impl NftSocket {
     fn send(&self, data: &[u8]) -> io::Result<()> {
         // SAFETY: an all-zero sockaddr_nl addresses the kernel.
         let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
-        addr.nl_family = libc::AF_NETLINK as u16;
+        addr.nl_family = libc::sa_family_t::try_from(libc::AF_NETLINK).expect("16");
         // SAFETY: sendto reads `data` and the address of the given size.
         let n = unsafe {
             libc::sendto(
@@ -407,7 +408,8 @@ impl NftSocket {
                 data.len(),
                 0,
                 (&addr as *const libc::sockaddr_nl).cast(),
-                std::mem::size_of::<libc::sockaddr_nl>() as u32,
+                libc::socklen_t::try_from(std::mem::size_of::<libc::sockaddr_nl>())
+                    .expect("12 bytes"),
             )
         };
         if n < 0 {
@@ -440,7 +442,7 @@ impl NftSocket {
                 }
                 return Err(err);
             }
-            let mut rest = &buf[..n as usize];
+            let mut rest = &buf[..usize::try_from(n).unwrap_or(0)];
             while rest.len() >= 16 {
                 let len = u32::from_ne_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
                 let ty = u16::from_ne_bytes([rest[4], rest[5]]);

@@ -155,13 +155,16 @@ impl FromStr for Rule {
                         bad("the port after ':' must be a number from 1 to 65535")
                     }
                 })?;
-                if value == 0 || value > 65535 {
-                    return Err(PolicyError::PortRange {
-                        rule: rule.to_string(),
-                        port: port.to_string(),
-                    });
-                }
-                (dest, Some(value as u16))
+                let value = match u16::try_from(value) {
+                    Ok(value) if value != 0 => value,
+                    _ => {
+                        return Err(PolicyError::PortRange {
+                            rule: rule.to_string(),
+                            port: port.to_string(),
+                        })
+                    }
+                };
+                (dest, Some(value))
             }
             None => (rule, None),
         };
