@@ -577,42 +577,10 @@ struct Extents {
 impl Extents {
     fn scan(file: &File) -> io::Result<Self> {
         let len = file.metadata()?.len();
-        let fd = file.as_raw_fd();
-        let to_off = |pos: u64| {
-            libc::off_t::try_from(pos).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
-        };
-        let mut data = Vec::new();
-        let mut pos = 0u64;
-        while pos < len {
-            // SAFETY: lseek on a descriptor we own. It moves the file position, which nothing
-            // uses: all reads are positioned (pread).
-            let start = unsafe { libc::lseek(fd, to_off(pos)?, libc::SEEK_DATA) };
-            if start < 0 {
-                let error = io::Error::last_os_error();
-                match error.raw_os_error() {
-                    Some(libc::ENXIO) => break,
-                    // A file system without SEEK_DATA: treat the whole file as data.
-                    Some(libc::EINVAL) if pos == 0 => {
-                        return Ok(Self {
-                            len,
-                            data: vec![(0, len)],
-                        })
-                    }
-                    _ => return Err(error),
-                }
-            }
-            // SAFETY: as above.
-            let end = unsafe { libc::lseek(fd, start, libc::SEEK_HOLE) };
-            if end < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            let (start, end) = (start as u64, (end as u64).min(len));
-            if start >= end {
-                break;
-            }
-            data.push((start, end));
-            pos = end;
-        }
+        let data = crate::memory::data_extents(file, 0, len)?
+            .into_iter()
+            .map(|(start, bytes)| (start, start + bytes))
+            .collect();
         Ok(Self { len, data })
     }
 

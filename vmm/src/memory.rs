@@ -368,31 +368,42 @@ impl GuestRam {
 }
 
 /// The (start, length) extents of `file` holding data within `start..start + len`; the rest
-/// are holes (read as zeros).
+/// are holes (read as zeros). On a file system without SEEK_DATA the whole range counts as
+/// data. The one SEEK_DATA loop: the eager copy, the snapshot writer and the lazy handler use it.
 pub fn data_extents(file: &File, start: u64, len: u64) -> std::io::Result<Vec<(u64, u64)>> {
-    let end = start + len;
+    let end = start.saturating_add(len);
+    let fd = file.as_raw_fd();
+    let to_off = |pos: u64| {
+        libc::off_t::try_from(pos)
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+    };
     let mut extents = Vec::new();
     let mut pos = start;
     while pos < end {
-        // SAFETY: lseek on a valid fd; the result is checked.
-        let data = unsafe { libc::lseek(file.as_raw_fd(), pos as i64, libc::SEEK_DATA) };
-        if data < 0 {
+        // SAFETY: lseek on a valid fd; the result is checked. It moves the file position,
+        // which nothing uses: every read and write of these files is positioned.
+        let data = unsafe { libc::lseek(fd, to_off(pos)?, libc::SEEK_DATA) };
+        // Negative: the call failed.
+        let Ok(data) = u64::try_from(data) else {
             let err = std::io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::ENXIO) {
-                break; // no data after pos
+            match err.raw_os_error() {
+                Some(libc::ENXIO) => break, // no data after pos
+                Some(libc::EINVAL) if pos == start => return Ok(vec![(start, len)]),
+                _ => return Err(err),
             }
-            return Err(err);
-        }
-        let data = data as u64;
+        };
         if data >= end {
             break;
         }
         // SAFETY: as above.
-        let hole = unsafe { libc::lseek(file.as_raw_fd(), data as i64, libc::SEEK_HOLE) };
-        if hole < 0 {
+        let hole = unsafe { libc::lseek(fd, to_off(data)?, libc::SEEK_HOLE) };
+        let Ok(hole) = u64::try_from(hole) else {
             return Err(std::io::Error::last_os_error());
+        };
+        let hole = hole.min(end);
+        if hole <= data {
+            break;
         }
-        let hole = (hole as u64).min(end);
         extents.push((data, hole - data));
         pos = hole;
     }
