@@ -58,8 +58,10 @@ impl RunConfig {
 pub fn check_vcpus(vcpus: u32) -> Result<u8, ConfigError> {
     match vcpus {
         0 => Err(ConfigError::NoVcpus),
-        n if n > u32::from(MAX_VCPUS) => Err(ConfigError::TooManyVcpus(n)),
-        n => Ok(n as u8),
+        n => match u8::try_from(n) {
+            Ok(count) if count <= MAX_VCPUS => Ok(count),
+            _ => Err(ConfigError::TooManyVcpus(n)),
+        },
     }
 }
 

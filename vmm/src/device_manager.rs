@@ -426,7 +426,11 @@ impl DeviceManager {
         for (index, event) in lock(&device).queue_events().iter().enumerate() {
             wiring
                 .vm
-                .register_ioevent(event, &notify, index as u32)
+                .register_ioevent(
+                    event,
+                    &notify,
+                    u32::try_from(index).expect("a device has a few queues"),
+                )
                 .map_err(DeviceError::Ioeventfd)?;
         }
         let interrupt = Arc::new(Interrupt::new(irqfd));

@@ -16,7 +16,9 @@ use crate::machine::Machine;
 
 /// A 32-bit local APIC register.
 fn lapic_reg(lapic: &kvm_lapic_state, offset: usize) -> u32 {
-    u32::from_le_bytes(std::array::from_fn(|b| lapic.regs[offset + b] as u8))
+    u32::from_le_bytes(std::array::from_fn(|b| {
+        lapic.regs[offset + b].to_ne_bytes()[0]
+    }))
 }
 
 /// A 256-bit local APIC vector register (ISR, TMR, IRR) as the vectors set in it.

@@ -70,7 +70,7 @@ fn render(identity: &Identity) -> String {
 
 /// Write the identity page (NUL-padded text) for the guest to read.
 pub fn write_page(identity: &Identity, mem: &GuestMemory) -> Result<(), IdentityError> {
-    let mut page = vec![0u8; IDENTITY_PAGE_SIZE as usize];
+    let mut page = vec![0u8; usize::try_from(IDENTITY_PAGE_SIZE).expect("one page")];
     let text = render(identity);
     let len = text.len().min(page.len() - 1);
     page[..len].copy_from_slice(&text.as_bytes()[..len]);
@@ -105,7 +105,7 @@ mod tests {
             generation: 7,
         };
         write_page(&id, &ram.memory).unwrap();
-        let mut page = vec![0u8; IDENTITY_PAGE_SIZE as usize];
+        let mut page = vec![0u8; usize::try_from(IDENTITY_PAGE_SIZE).expect("one page")];
         ram.memory
             .read_slice(&mut page, GuestAddress(IDENTITY_PAGE_ADDR))
             .unwrap();

@@ -105,7 +105,7 @@ impl Image {
             return;
         };
         // SAFETY: sysconf has no memory effects.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
         let start = (bytes.as_ptr() as usize).next_multiple_of(page);
         let end = (bytes.as_ptr() as usize + bytes.len()) & !(page - 1);
         if end > start {
@@ -349,7 +349,7 @@ pub fn write_pvh_start_info(mem: &GuestMemory, info: &BootInfo) -> Result<(), Ke
         cmdline_paddr: CMDLINE_START,
         rsdp_paddr: info.rsdp,
         memmap_paddr: PVH_MEMMAP_START,
-        memmap_entries: info.e820.len() as u32,
+        memmap_entries: u32::try_from(info.e820.len()).expect("a memory map of a few entries"),
         ..Default::default()
     };
     if let Some(initrd) = info.initrd {
@@ -396,11 +396,13 @@ pub fn write_zero_page(
         params.hdr.kernel_alignment = KERNEL_MIN_ALIGNMENT;
     }
     params.hdr.type_of_loader = KERNEL_LOADER_OTHER;
-    params.hdr.cmd_line_ptr = CMDLINE_START as u32;
-    params.hdr.cmdline_size = info.cmdline_len as u32;
+    params.hdr.cmd_line_ptr = below_4g(CMDLINE_START);
+    // At most the command line's limit (checked when it was written).
+    params.hdr.cmdline_size = u32::try_from(info.cmdline_len).expect("a bounded command line");
     if let Some(initrd) = info.initrd {
-        params.hdr.ramdisk_image = initrd.addr as u32;
-        params.hdr.ramdisk_size = initrd.size as u32;
+        // load_initrd placed it below initrd_addr_max (at most 4 GiB - 1).
+        params.hdr.ramdisk_image = below_4g(initrd.addr);
+        params.hdr.ramdisk_size = below_4g(initrd.size);
     }
     params.acpi_rsdp_addr = info.rsdp;
     for (slot, &(addr, size, type_)) in params.e820_table.iter_mut().zip(info.e820) {
@@ -410,7 +412,8 @@ pub fn write_zero_page(
             r#type: type_,
         };
     }
-    params.e820_entries = info.e820.len().min(params.e820_table.len()) as u8;
+    params.e820_entries = u8::try_from(info.e820.len().min(params.e820_table.len()))
+        .expect("the zero page holds 128 entries");
     mem.write_obj(params, GuestAddress(ZERO_PAGE_START))?;
     Ok(())
 }
@@ -432,20 +435,32 @@ fn elf_symbol(data: &[u8], wanted: &str) -> Option<u64> {
     if data.get(..4)? != b"\x7fELF" || *data.get(4)? != 2 {
         return None;
     }
-    let shoff = u64_at(0x28)? as usize;
+    let usize_at = |o: usize| usize::try_from(u64_at(o)?).ok();
+    let shoff = usize_at(0x28)?;
     let shentsize = usize::from(u16_at(0x3a)?);
     let shnum = usize::from(u16_at(0x3c)?);
     const SHT_SYMTAB: u32 = 2;
     for i in 0..shnum {
-        let sh = shoff + i * shentsize;
+        let sh = shoff.checked_add(i.checked_mul(shentsize)?)?;
+        // Past the data, every read below fails; bounded, no offset added to it overflows.
+        if sh > data.len() {
+            return None;
+        }
         if u32_at(sh + 4)? != SHT_SYMTAB {
             continue;
         }
-        let (symoff, symsize) = (u64_at(sh + 0x18)? as usize, u64_at(sh + 0x20)? as usize);
-        let strtab = shoff + u32_at(sh + 0x28)? as usize * shentsize;
-        let stroff = u64_at(strtab + 0x18)? as usize;
-        for sym in (symoff..symoff + symsize).step_by(24) {
-            let name_at = stroff + u32_at(sym)? as usize;
+        let (symoff, symsize) = (usize_at(sh + 0x18)?, usize_at(sh + 0x20)?);
+        let link = usize::try_from(u32_at(sh + 0x28)?).ok()?;
+        let strtab = shoff.checked_add(link.checked_mul(shentsize)?)?;
+        if strtab > data.len() {
+            return None;
+        }
+        let stroff = usize_at(strtab + 0x18)?;
+        for sym in (symoff..symoff.checked_add(symsize)?).step_by(24) {
+            if sym > data.len() {
+                return None;
+            }
+            let name_at = stroff.checked_add(usize::try_from(u32_at(sym)?).ok()?)?;
             let name = data.get(name_at..)?.split(|&b| b == 0).next()?;
             if name == wanted.as_bytes() {
                 return u64_at(sym + 8);

@@ -533,7 +533,10 @@ impl Layout {
     fn block_of_file_offset(&self, offset: u64) -> Option<usize> {
         self.regions.iter().find_map(|r| {
             let within = offset.checked_sub(r.file_offset)?;
-            (within < r.len as u64).then(|| r.first_block + within as usize / self.block_size)
+            usize::try_from(within)
+                .ok()
+                .filter(|&within| within < r.len)
+                .map(|within| r.first_block + within / self.block_size)
         })
     }
 
@@ -1045,7 +1048,9 @@ impl Handler {
         if let Some(mapped) = &self.mapped {
             let end = block.file_offset + block.len as u64;
             if !discarded && end <= mapped.len as u64 {
-                let src = mapped.addr + block.file_offset as usize;
+                // Inside the mapping (checked above).
+                let src = mapped.addr
+                    + usize::try_from(block.file_offset).expect("an offset in the mapping");
                 self.shared
                     .stats
                     .bytes_read
@@ -1077,7 +1082,9 @@ impl Handler {
     /// Read `len` bytes of the file at `offset` into `buf`. Past the file's original end reads
     /// zeros; a file that ends earlier than it did at start was changed under us: fatal.
     fn read(&mut self, offset: u64, len: usize) -> Result<(), Fatal> {
-        let want = self.extents.len.saturating_sub(offset).min(len as u64) as usize;
+        // At most `len`.
+        let want = usize::try_from(self.extents.len.saturating_sub(offset).min(len as u64))
+            .expect("at most len");
         let mut got = 0;
         while got < want {
             match self

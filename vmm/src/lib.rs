@@ -8,6 +8,16 @@
 //! - [`api`]: the control socket, whose requests the VM's controller ([`vm::Vm::run`]) answers.
 //! - [`vcpu`]: the vCPU threads and how they are paused, stopped and kicked.
 //! - [`vm`]: the KVM VM itself and how a VM ends.
+// Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
+// why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
 
 #[cfg(not(target_arch = "x86_64"))]
 compile_error!("mayfly supports x86-64 hosts only");

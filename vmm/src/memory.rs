@@ -267,7 +267,7 @@ impl GuestRam {
                     libc::PROT_READ | libc::PROT_WRITE,
                     libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
                     self.backing.as_raw_fd(),
-                    region.file_offset as i64,
+                    libc::off_t::try_from(region.file_offset).expect("a file offset the file has"),
                 )
             };
             if addr == libc::MAP_FAILED {
@@ -360,7 +360,7 @@ impl GuestRam {
                     .memory
                     .get_host_address(GuestAddress(range.guest_addr))
                     .expect("every range is mapped"),
-                len: range.size as usize,
+                len: usize::try_from(range.size).expect("a mapped range fits in memory"),
                 file_offset: range.file_offset,
             })
             .collect()
@@ -415,7 +415,8 @@ pub fn data_extents(file: &File, start: u64, len: u64) -> std::io::Result<Vec<(u
 fn copy_range(from: &File, to: &File, offset: u64, len: u64) -> std::io::Result<()> {
     let mut done = 0u64;
     while done < len {
-        let mut off_in = (offset + done) as i64;
+        let mut off_in = libc::loff_t::try_from(offset + done)
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
         let mut off_out = off_in;
         // SAFETY: valid fds and offsets we own; the result is checked.
         let n = unsafe {
@@ -424,12 +425,12 @@ fn copy_range(from: &File, to: &File, offset: u64, len: u64) -> std::io::Result<
                 &mut off_in,
                 to.as_raw_fd(),
                 &mut off_out,
-                (len - done) as usize,
+                usize::try_from(len - done).unwrap_or(usize::MAX),
                 0,
             )
         };
         if n > 0 {
-            done += n as u64;
+            done += n.unsigned_abs() as u64;
             continue;
         }
         if n == 0 {
@@ -447,7 +448,9 @@ fn copy_range(from: &File, to: &File, offset: u64, len: u64) -> std::io::Result<
     }
     let mut buf = vec![0u8; 1 << 20];
     while done < len {
-        let chunk = ((len - done) as usize).min(buf.len());
+        let chunk = usize::try_from(len - done)
+            .unwrap_or(usize::MAX)
+            .min(buf.len());
         from.read_exact_at(&mut buf[..chunk], offset + done)?;
         to.write_all_at(&buf[..chunk], offset + done)?;
         done += chunk as u64;

@@ -38,7 +38,8 @@ pub fn trampoline(entry: u64, long_mode: bool) -> Vec<u8> {
         code.extend_from_slice(&entry.to_le_bytes());
     } else {
         code.push(0xb8);
-        code.extend_from_slice(&(entry as u32).to_le_bytes());
+        // A 32-bit entry point: the PVH entry is a physical address below 4 GiB.
+        code.extend_from_slice(&crate::arch::layout::below_4g(entry).to_le_bytes());
     }
     code.extend_from_slice(&[0xff, 0xe0]);
     code

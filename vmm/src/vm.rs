@@ -115,7 +115,7 @@ pub fn register_memory(vm: &VmFd, ram: &GuestRam) -> Result<(), VmError> {
             .get_host_address(region.start_addr())
             .map_err(|_| VmError::MissingCapability("a host mapping of guest memory"))?;
         let mem_region = kvm_userspace_memory_region {
-            slot: slot as u32,
+            slot: u32::try_from(slot).expect("a memory slot per RAM range"),
             flags: 0,
             guest_phys_addr: region.start_addr().0,
             memory_size: region.len(),

@@ -403,7 +403,8 @@ pub fn read_request(
             ),
         ));
     }
-    let len = len as usize;
+    // At most MAX_BODY (checked above).
+    let len = usize::try_from(len).expect("a body within MAX_BODY");
     if expect_continue && minor == 1 && reader.buf.len() < len {
         // The client waits for this before it sends the body; if the write fails, so will
         // reading the body.
@@ -686,12 +687,15 @@ pub fn read_response(stream: &UnixStream, deadline: Instant) -> Result<Response,
                     MAX_RESPONSE_BODY >> 20
                 )))
             }
-            Some(len) => reader.read_body(len as usize).map_err(|e| match e {
-                ReadError::Eof => ResponseError::Invalid(
-                    "it closed the connection in the middle of the body".into(),
-                ),
-                e => ResponseError::Read(e),
-            })?,
+            // At most MAX_RESPONSE_BODY (the arm above).
+            Some(len) => reader
+                .read_body(usize::try_from(len).expect("a body within MAX_RESPONSE_BODY"))
+                .map_err(|e| match e {
+                    ReadError::Eof => ResponseError::Invalid(
+                        "it closed the connection in the middle of the body".into(),
+                    ),
+                    e => ResponseError::Read(e),
+                })?,
             None => reader
                 .read_to_end(MAX_RESPONSE_BODY)
                 .map_err(ResponseError::Read)?,

@@ -17,17 +17,21 @@ const BACKLOG: libc::c_int = 64;
 fn sockaddr(path: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
     let bytes = path.as_os_str().as_bytes();
     let mut addr = libc::sockaddr_un {
-        sun_family: libc::AF_UNIX as libc::sa_family_t,
+        sun_family: libc::sa_family_t::try_from(libc::AF_UNIX).expect("AF_UNIX is 1"),
         sun_path: [0; 108],
     };
     if bytes.is_empty() || bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
         return Err(io::Error::from(io::ErrorKind::InvalidInput));
     }
     for (dst, &src) in addr.sun_path.iter_mut().zip(bytes) {
-        *dst = src as libc::c_char;
+        *dst = libc::c_char::from_ne_bytes([src]);
     }
     let len = std::mem::offset_of!(libc::sockaddr_un, sun_path) + bytes.len() + 1;
-    Ok((addr, len as libc::socklen_t))
+    // At most the size of a sockaddr_un (checked above).
+    Ok((
+        addr,
+        libc::socklen_t::try_from(len).expect("a sockaddr_un length"),
+    ))
 }
 
 fn new_socket() -> io::Result<OwnedFd> {

@@ -13,7 +13,7 @@ use vm_memory::{Bytes, GuestAddress};
 
 use super::aml;
 use super::layout::{
-    GED_GSI, IDENTITY_PAGE_ADDR, IDENTITY_PAGE_SIZE, IOAPIC_ADDR, LAPIC_ADDR, RSDP_START,
+    below_4g, GED_GSI, IDENTITY_PAGE_ADDR, IDENTITY_PAGE_SIZE, IOAPIC_ADDR, LAPIC_ADDR, RSDP_START,
     VMGENID_ADDR,
 };
 use crate::memory::GuestMemory;
@@ -40,8 +40,8 @@ fn checksum(bytes: &[u8]) -> u8 {
 
 /// A system description table: the 36-byte header, then `body`.
 fn sdt(signature: &[u8; 4], revision: u8, body: &[u8]) -> Vec<u8> {
-    let len = (36 + body.len()) as u32;
-    let mut table = Vec::with_capacity(len as usize);
+    let mut table = Vec::with_capacity(36 + body.len());
+    let len = u32::try_from(36 + body.len()).expect("an ACPI table of a few KiB");
     table.extend_from_slice(signature);
     table.extend_from_slice(&len.to_le_bytes());
     table.push(revision);
@@ -80,7 +80,7 @@ fn fadt(dsdt_addr: u64) -> Vec<u8> {
     let mut put = |offset: usize, bytes: &[u8]| {
         body[offset - 36..offset - 36 + bytes.len()].copy_from_slice(bytes)
     };
-    put(40, &(dsdt_addr as u32).to_le_bytes());
+    put(40, &below_4g(dsdt_addr).to_le_bytes());
     put(
         109,
         &(BOOT_ARCH_VGA_NOT_PRESENT | BOOT_ARCH_CMOS_RTC_NOT_PRESENT).to_le_bytes(),
@@ -122,8 +122,11 @@ fn dsdt(virtio: &[DeviceResources]) -> Vec<u8> {
             aml::name(
                 "_CRS",
                 &aml::resource_template(&[
-                    aml::io_ports(COM1_PORT as u16, COM1_PORT_COUNT as u8),
-                    aml::irq(COM1_IRQ as u8),
+                    aml::io_ports(
+                        u16::try_from(COM1_PORT).expect("an I/O port"),
+                        u8::try_from(COM1_PORT_COUNT).expect("8 ports"),
+                    ),
+                    aml::irq(u8::try_from(COM1_IRQ).expect("IRQ 4")),
                 ]),
             ),
         ],
@@ -164,8 +167,8 @@ fn dsdt(virtio: &[DeviceResources]) -> Vec<u8> {
             aml::name(
                 "_CRS",
                 &aml::resource_template(&[aml::memory32_fixed(
-                    IDENTITY_PAGE_ADDR as u32,
-                    IDENTITY_PAGE_SIZE as u32,
+                    below_4g(IDENTITY_PAGE_ADDR),
+                    below_4g(IDENTITY_PAGE_SIZE),
                 )]),
             ),
         ],
@@ -182,7 +185,7 @@ fn dsdt(virtio: &[DeviceResources]) -> Vec<u8> {
                 aml::name(
                     "_CRS",
                     &aml::resource_template(&[
-                        aml::memory32_fixed(dev.mmio_base as u32, dev.mmio_size as u32),
+                        aml::memory32_fixed(below_4g(dev.mmio_base), below_4g(dev.mmio_size)),
                         aml::interrupt(dev.gsi),
                     ]),
                 ),

@@ -14,11 +14,12 @@ fn pkg_length(body_len: usize) -> Vec<u8> {
         };
         if fits {
             if extra == 0 {
-                return vec![total as u8];
+                return vec![total.to_le_bytes()[0]];
             }
-            let mut out = vec![((extra as u8) << 6) | (total & 0xf) as u8];
+            let extra_bits = u8::try_from(extra).expect("at most 3 extra bytes") << 6;
+            let mut out = vec![extra_bits | (total.to_le_bytes()[0] & 0xf)];
             for i in 0..extra {
-                out.push((total >> (4 + 8 * i)) as u8);
+                out.push((total >> (4 + 8 * i)).to_le_bytes()[0]);
             }
             return out;
         }
@@ -54,7 +55,7 @@ fn name_string(path: &str) -> Vec<u8> {
         2 => out.push(0x2e), // DualNamePrefix
         n => {
             out.push(0x2f); // MultiNamePrefix
-            out.push(n as u8);
+            out.push(u8::try_from(n).expect("a name of at most 255 segments"));
         }
     }
     for seg in segs {
@@ -68,15 +69,15 @@ pub fn integer(value: u64) -> Vec<u8> {
     match value {
         0 => vec![0x00],
         1 => vec![0x01],
-        v if v <= 0xff => vec![0x0a, v as u8],
+        v if v <= 0xff => vec![0x0a, v.to_le_bytes()[0]],
         v if v <= 0xffff => {
             let mut out = vec![0x0b];
-            out.extend_from_slice(&(v as u16).to_le_bytes());
+            out.extend_from_slice(&v.to_le_bytes()[..2]);
             out
         }
         v if v <= 0xffff_ffff => {
             let mut out = vec![0x0c];
-            out.extend_from_slice(&(v as u32).to_le_bytes());
+            out.extend_from_slice(&v.to_le_bytes()[..4]);
             out
         }
         v => {
@@ -145,7 +146,7 @@ pub fn name(name: &str, value: &[u8]) -> Vec<u8> {
 
 /// `Package () { elements }`.
 pub fn package(elements: &[Vec<u8>]) -> Vec<u8> {
-    let mut body = vec![elements.len() as u8];
+    let mut body = vec![u8::try_from(elements.len()).expect("a package of at most 255 elements")];
     for e in elements {
         body.extend_from_slice(e);
     }

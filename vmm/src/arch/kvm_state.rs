@@ -105,7 +105,7 @@ pub fn host_fingerprint(caps: &KvmCaps) -> HostFingerprint {
         cpu_family: family,
         cpu_model: model,
         cpu_stepping: signature & 0xf,
-        xsave_bytes: caps.xsave_bytes as u32,
+        xsave_bytes: u32::try_from(caps.xsave_bytes).unwrap_or(u32::MAX),
         has_xcrs: caps.has_xcrs,
     }
 }
@@ -427,7 +427,7 @@ pub fn restore_vm(
 pub fn realtime_ns() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
+        .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
         .unwrap_or(0)
 }
 

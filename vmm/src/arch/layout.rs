@@ -103,6 +103,12 @@ pub fn e820_map(mem_bytes: u64) -> Vec<(u64, u64, u32)> {
     map
 }
 
+/// An address or size of the fixed layout's 32-bit part (ACPI tables, the MP table, the boot
+/// parameters, MMIO windows below the gap) as the 32-bit field that records it.
+pub fn below_4g(value: u64) -> u32 {
+    u32::try_from(value).expect("the 32-bit part of the layout lies below 4 GiB")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,7 +3,7 @@
 
 use vm_memory::{Bytes, GuestAddress};
 
-use super::layout::{IOAPIC_ADDR, IOAPIC_PINS, LAPIC_ADDR, MPTABLE_START};
+use super::layout::{below_4g, IOAPIC_ADDR, IOAPIC_PINS, LAPIC_ADDR, MPTABLE_START};
 use crate::memory::GuestMemory;
 
 /// APIC IDs are 8 bits and the IOAPIC takes the ID after the last CPU.
@@ -98,7 +98,8 @@ fn build(vcpus: u8, base: u32) -> Vec<u8> {
     ]);
     count += 2;
 
-    let table_len = (HEADER_LEN + entries.len()) as u16;
+    let table_len =
+        u16::try_from(HEADER_LEN + entries.len()).expect("an MP table of a few hundred bytes");
     let mut table = Vec::with_capacity(usize::from(table_len));
     table.extend_from_slice(b"PCMP");
     table.extend_from_slice(&table_len.to_le_bytes());
@@ -118,7 +119,7 @@ fn build(vcpus: u8, base: u32) -> Vec<u8> {
 
     let mut floating = Vec::with_capacity(FLOATING_LEN);
     floating.extend_from_slice(b"_MP_");
-    floating.extend_from_slice(&(base + FLOATING_LEN as u32).to_le_bytes());
+    floating.extend_from_slice(&(base + below_4g(FLOATING_LEN as u64)).to_le_bytes());
     floating.push(1); // length in 16-byte units
     floating.push(4); // spec revision
     floating.push(0); // checksum, below
@@ -133,7 +134,7 @@ pub fn write_mptable(mem: &GuestMemory, vcpus: u8) -> Result<(), MpTableError> {
     if vcpus == 0 || vcpus > MAX_VCPUS {
         return Err(MpTableError::VcpuCount(vcpus));
     }
-    let table = build(vcpus, MPTABLE_START as u32);
+    let table = build(vcpus, below_4g(MPTABLE_START));
     mem.write_slice(&table, GuestAddress(MPTABLE_START))?;
     Ok(())
 }

@@ -62,12 +62,14 @@ fn segment(table: &[u64], index: usize) -> kvm_segment {
     kvm_segment {
         base,
         // A page-granular limit counts 4 KiB units.
-        limit: if granular == 1 {
-            ((limit << 12) | 0xfff) as u32
+        // A 20-bit limit, so 32 bits once scaled by pages.
+        limit: u32::try_from(if granular == 1 {
+            (limit << 12) | 0xfff
         } else {
-            limit as u32
-        },
-        selector: (index * 8) as u16,
+            limit
+        })
+        .expect("a 20-bit segment limit"),
+        selector: u16::try_from(index * 8).expect("a boot GDT of a few entries"),
         type_: (flags & 0xf) as u8,
         present: ((flags >> 7) & 1) as u8,
         dpl: ((flags >> 5) & 3) as u8,
@@ -128,7 +130,7 @@ pub fn setup_sregs(mem: &GuestMemory, vcpu: &VcpuFd, mode: EntryMode) -> Result<
     let code = segment(&gdt, 1);
     let data = segment(&gdt, 2);
     sregs.gdt.base = BOOT_GDT_START;
-    sregs.gdt.limit = (gdt.len() * 8 - 1) as u16;
+    sregs.gdt.limit = u16::try_from(gdt.len() * 8 - 1).expect("a boot GDT of a few entries");
     sregs.idt.base = BOOT_IDT_START;
     sregs.idt.limit = 7;
     sregs.cs = code;
@@ -244,13 +246,13 @@ const APIC_MODE_NMI: u32 = 0x4;
 const APIC_MODE_EXTINT: u32 = 0x7;
 
 fn lapic_reg(lapic: &kvm_lapic_state, offset: usize) -> u32 {
-    let bytes: [u8; 4] = std::array::from_fn(|i| lapic.regs[offset + i] as u8);
+    let bytes: [u8; 4] = std::array::from_fn(|i| lapic.regs[offset + i].to_ne_bytes()[0]);
     u32::from_le_bytes(bytes)
 }
 
 fn set_lapic_reg(lapic: &mut kvm_lapic_state, offset: usize, value: u32) {
     for (i, byte) in value.to_le_bytes().iter().enumerate() {
-        lapic.regs[offset + i] = *byte as _;
+        lapic.regs[offset + i] = libc::c_char::from_ne_bytes([*byte]);
     }
 }
 
