@@ -1,5 +1,15 @@
 //! Shared pieces of mayfly's benchmarks: statistics, process memory, and the JSON report's
 //! description of where it ran.
+// Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
+// why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
 
 use serde::Serialize;
 

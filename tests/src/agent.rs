@@ -42,7 +42,7 @@ fn dump(sock: &Path) {
     if let Ok((200, vm)) = mayfly_vmm::api::request(sock, "GET", "/vm", None) {
         if let Some(pid) = vm["pid"].as_u64() {
             // SAFETY: kill(2) asking the VMM for a state dump; no memory effects.
-            unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
+            unsafe { libc::kill(libc::pid_t::try_from(pid).expect("a pid"), libc::SIGUSR1) };
             std::thread::sleep(Duration::from_secs(2));
         }
     }
@@ -55,7 +55,9 @@ pub fn exec_request(sock: &Path, request: ExecRequest, stdin: Option<Vec<u8>>) -
     let agent = wait_agent(sock, BOOT_TIMEOUT);
     let request = match request.timeout_ms {
         Some(_) => request,
-        None => request.with_timeout_ms(COMMAND_TIMEOUT.as_millis() as u64),
+        None => {
+            request.with_timeout_ms(u64::try_from(COMMAND_TIMEOUT.as_millis()).expect("minutes"))
+        }
     };
     let client = agent
         .connect()

@@ -165,7 +165,7 @@ impl FileConsole {
         self.commands += 1;
         let n = self.commands;
         let start = std::fs::metadata(&self.log)
-            .map(|m| m.len() as usize)
+            .map(|m| usize::try_from(m.len()).unwrap_or(usize::MAX))
             .unwrap_or(0);
         self.send(&format!(
             "echo '@@beg''in-{n}@@'; {command} 2>&1; echo '@@en''d-{n}@@'\n"
@@ -183,7 +183,9 @@ impl FileConsole {
             if Instant::now() >= deadline {
                 if let Some(pid) = self.pid {
                     // SAFETY: kill(2) asking the VMM for a state dump on its stderr (the log).
-                    unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
+                    unsafe {
+                        libc::kill(libc::pid_t::try_from(pid).expect("a pid"), libc::SIGUSR1)
+                    };
                     std::thread::sleep(Duration::from_secs(2));
                 }
                 let all = String::from_utf8_lossy(&std::fs::read(&self.log).unwrap_or_default())
@@ -381,7 +383,12 @@ impl Guest {
             None => {
                 // Ask mayfly for a dump of its devices and vCPUs, for the report.
                 // SAFETY: kill(2) on our own child's pid.
-                unsafe { libc::kill(self.child.id() as i32, libc::SIGUSR1) };
+                unsafe {
+                    libc::kill(
+                        libc::pid_t::try_from(self.child.id()).expect("a pid"),
+                        libc::SIGUSR1,
+                    )
+                };
                 std::thread::sleep(Duration::from_secs(2));
                 panic!(
                     "{pattern:?} did not appear on the console within {timeout:?}\n--- console ---\n{}\n--- stderr ---\n{}",
@@ -471,7 +478,12 @@ impl Guest {
     /// Send a signal to the mayfly process.
     pub fn signal(&self, signal: i32) {
         // SAFETY: kill(2) on our own child's pid; the result is checked.
-        let rc = unsafe { libc::kill(self.child.id() as i32, signal) };
+        let rc = unsafe {
+            libc::kill(
+                libc::pid_t::try_from(self.child.id()).expect("a pid"),
+                signal,
+            )
+        };
         assert_eq!(rc, 0, "signal {signal} to mayfly");
     }
 }

@@ -65,7 +65,12 @@ pub fn wait_report(guest: &Guest, kind: &str) {
         return;
     }
     // SAFETY: kill(2) asking our own child VMM for a state dump.
-    unsafe { libc::kill(guest.pid() as i32, libc::SIGUSR1) };
+    unsafe {
+        libc::kill(
+            libc::pid_t::try_from(guest.pid()).expect("a pid"),
+            libc::SIGUSR1,
+        )
+    };
     std::thread::sleep(Duration::from_secs(2));
     panic!(
         "the probe did not report {kind:?} within {TIMEOUT:?}; the VMM's stderr:\n{}",

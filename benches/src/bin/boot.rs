@@ -7,6 +7,16 @@
 //! `main`, `vm_created`, `vcpus_configured`, `first_kvm_run`, `first_instruction` (the guest's
 //! first instruction, a port write of the boot trampoline right before the kernel's PVH entry)
 //! and `start_kernel` (a hardware breakpoint, where KVM supports it).
+// Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
+// why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

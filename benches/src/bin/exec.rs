@@ -10,6 +10,16 @@
 //! - fork N → every clone's exec answered, for each N.
 //!
 //! Figures are reported as measured; the targets are printed beside them, met or not.
+// Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
+// why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -351,7 +361,7 @@ fn fork_exec(parent_sock: &Path, count: u32) -> ForkExec {
     let last = done.iter().copied().max().unwrap_or(running);
     for (_, pid) in &clones {
         // SAFETY: kill(2) on a clone this benchmark made.
-        unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+        unsafe { libc::kill(libc::pid_t::try_from(*pid).expect("a pid"), libc::SIGKILL) };
     }
     // Gone before the next N starts (they are the parent VMM's children, not ours to reap: a
     // zombie counts as gone).

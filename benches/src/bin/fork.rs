@@ -8,6 +8,16 @@
 //!
 //! `--compare-copy` also runs each N with the parent's memory copied into the base instead of
 //! handed over (MAYFLY_FORK_COPY), the alternative the fork module's docs weigh.
+// Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
+// why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -114,7 +124,7 @@ fn fork_once(count: u32, mem_mib: u64, copy: bool) -> ForkRun {
         .map(|c| {
             (
                 c["name"].as_str().unwrap().to_string(),
-                c["pid"].as_u64().unwrap() as u32,
+                u32::try_from(c["pid"].as_u64().unwrap()).expect("a pid"),
                 FileConsole::new(
                     c["console_input"].as_str().unwrap(),
                     c["console_log"].as_str().unwrap(),
@@ -142,7 +152,7 @@ fn fork_once(count: u32, mem_mib: u64, copy: bool) -> ForkRun {
     let parent_memory = smaps_memory(parent.pid(), |_| true).unwrap_or_default();
     for (_, pid, _) in &clones {
         // SAFETY: kill(2) on a clone this benchmark made.
-        unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+        unsafe { libc::kill(libc::pid_t::try_from(*pid).expect("a pid"), libc::SIGKILL) };
     }
     parent.signal(libc::SIGKILL);
     parent.wait_exit(TIMEOUT);

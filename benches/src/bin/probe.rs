@@ -13,6 +13,16 @@
 //! Writes JSON (`--out`) and an SVG plot of the distributions (`--plot`). `--quick` is the
 //! regression guard the test suite runs: small sizes, few repetitions, and checks instead of
 //! numbers (every page verified, no mismatch, clones diverged); it exits non-zero on failure.
+// Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
+// why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -398,7 +408,7 @@ fn bench_fork(
         .iter()
         .map(|c| {
             (
-                c["pid"].as_u64().unwrap() as u32,
+                u32::try_from(c["pid"].as_u64().unwrap()).expect("a pid"),
                 PathBuf::from(c["console_log"].as_str().unwrap()),
                 c["ready_ms"].as_f64().unwrap_or(f64::NAN),
             )
@@ -453,7 +463,7 @@ fn bench_fork(
     }
     for (pid, _, _) in &clones {
         // SAFETY: kill(2) on a clone this benchmark made.
-        unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+        unsafe { libc::kill(libc::pid_t::try_from(*pid).expect("a pid"), libc::SIGKILL) };
     }
     parent.signal(libc::SIGKILL);
     parent.wait_exit(TIMEOUT);

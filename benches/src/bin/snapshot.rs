@@ -10,6 +10,16 @@
 //! - restore the snapshot three times at once (cow) and measure each VMM's PSS.
 //!
 //! Baseline in the same run: a cold boot of the same guest to the same command's answer.
+// Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
+// why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -103,7 +103,7 @@ fn bind_vsock(port: u32) -> io::Result<OwnedFd> {
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
     // SAFETY: sockaddr_vm is plain old data; all-zero is a valid value to fill in.
     let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
-    addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
+    addr.svm_family = libc::sa_family_t::try_from(libc::AF_VSOCK).expect("AF_VSOCK is 40");
     addr.svm_port = port;
     addr.svm_cid = libc::VMADDR_CID_ANY;
     // SAFETY: the pointer and length describe `addr`, a sockaddr_vm, for the call only.
@@ -111,7 +111,7 @@ fn bind_vsock(port: u32) -> io::Result<OwnedFd> {
         libc::bind(
             fd.as_raw_fd(),
             (&addr as *const libc::sockaddr_vm).cast(),
-            std::mem::size_of::<libc::sockaddr_vm>() as libc::socklen_t,
+            libc::socklen_t::try_from(std::mem::size_of::<libc::sockaddr_vm>()).expect("16 bytes"),
         )
     })?;
     // SAFETY: listen has no memory effects.
@@ -128,7 +128,7 @@ pub fn connect_vsock(cid: u32, port: u32) -> io::Result<OwnedFd> {
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
     // SAFETY: sockaddr_vm is plain old data; all-zero is a valid value to fill in.
     let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
-    addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
+    addr.svm_family = libc::sa_family_t::try_from(libc::AF_VSOCK).expect("AF_VSOCK is 40");
     addr.svm_port = port;
     addr.svm_cid = cid;
     loop {
@@ -137,7 +137,8 @@ pub fn connect_vsock(cid: u32, port: u32) -> io::Result<OwnedFd> {
             libc::connect(
                 fd.as_raw_fd(),
                 (&addr as *const libc::sockaddr_vm).cast(),
-                std::mem::size_of::<libc::sockaddr_vm>() as libc::socklen_t,
+                libc::socklen_t::try_from(std::mem::size_of::<libc::sockaddr_vm>())
+                    .expect("16 bytes"),
             )
         };
         match cvt(rc) {

@@ -378,7 +378,12 @@ impl<'a> Pump<'a> {
             Ok(n) => {
                 debug_assert!(n < MAX_FRAME);
                 frame.truncate(5 + n);
-                frame[..4].copy_from_slice(&((n + 1) as u32).to_be_bytes());
+                // Below MAX_FRAME, which fits the u32 length field.
+                frame[..4].copy_from_slice(
+                    &u32::try_from(n + 1)
+                        .expect("a frame within MAX_FRAME")
+                        .to_be_bytes(),
+                );
                 frame[4] = out.kind.as_byte();
                 out.queued = true;
                 self.outq.push_back((i, frame));

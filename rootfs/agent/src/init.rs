@@ -294,7 +294,8 @@ fn spawn_console_shell(shell: &str) -> io::Result<libc::pid_t> {
     }
     let child = cmd.spawn()?;
     // Reaped by the supervisor's waitpid(-1) loop, not through the Child handle.
-    Ok(child.id() as libc::pid_t)
+    // A process ID always fits a pid_t.
+    Ok(libc::pid_t::try_from(child.id()).expect("a pid"))
 }
 
 /// Stops everything, syncs and powers off. Never returns.

@@ -3,6 +3,16 @@
 //! It listens on virtio-vsock (or a Unix socket, for tests on the host), serves each
 //! connection on its own thread, and runs one operation per connection: exec, file
 //! transfer and metadata, and the refresh a VM needs after a restore or a fork.
+// Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
+// why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
 
 /// Logs one line to stderr (the console) as `mayfly-agent: ...`, in a single write: stderr
 /// is unbuffered, and a line written in pieces interleaves with other output on the console.

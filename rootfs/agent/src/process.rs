@@ -37,10 +37,12 @@ pub fn wait_for(pid: u32) -> Option<WaitResult> {
     let mut status: libc::c_int = 0;
     // SAFETY: rusage is plain old data; all-zero is a valid value for wait4 to overwrite.
     let mut rusage: libc::rusage = unsafe { std::mem::zeroed() };
+    // A process ID always fits a pid_t (the kernel's pid_max is at most 2^22).
+    let c_pid = libc::pid_t::try_from(pid).ok()?;
     loop {
         // SAFETY: both pointers point at live locals of the right types.
-        let ret = unsafe { libc::wait4(pid as libc::pid_t, &mut status, 0, &mut rusage) };
-        if ret == pid as libc::pid_t {
+        let ret = unsafe { libc::wait4(c_pid, &mut status, 0, &mut rusage) };
+        if ret == c_pid {
             return Some(WaitResult { status, rusage });
         }
         if ret == -1 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
@@ -203,7 +205,7 @@ pub fn exit_record(result: Option<WaitResult>, wall: Duration, timed_out: bool) 
             rec.user_cpu_ms = timeval_ms(&r.rusage.ru_utime);
             rec.sys_cpu_ms = timeval_ms(&r.rusage.ru_stime);
             // Linux reports ru_maxrss in KiB.
-            rec.max_rss_kib = r.rusage.ru_maxrss.max(0) as u64;
+            rec.max_rss_kib = u64::try_from(r.rusage.ru_maxrss).unwrap_or(0);
         }
         None => rec.error = Some("the agent lost track of the process (not its child)".into()),
     }
@@ -218,7 +220,7 @@ pub fn poll_timeout(deadlines: &[Option<Instant>]) -> libc::c_int {
         .flatten()
         .map(|t| {
             let left = t.saturating_duration_since(now);
-            (left.as_micros().div_ceil(1000)).min(i32::MAX as u128) as libc::c_int
+            libc::c_int::try_from(left.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX)
         })
         .min()
         .unwrap_or(-1)

@@ -86,8 +86,9 @@ pub fn refresh(conn: &mut Conn, req: &RefreshRequest, cfg: &Config) -> SessionRe
 
 fn set_clock(time_unix_ns: u64) -> io::Result<()> {
     let ts = libc::timespec {
-        tv_sec: (time_unix_ns / 1_000_000_000) as libc::time_t,
-        tv_nsec: (time_unix_ns % 1_000_000_000) as libc::c_long,
+        tv_sec: libc::time_t::try_from(time_unix_ns / 1_000_000_000).unwrap_or(libc::time_t::MAX),
+        // Below 10^9.
+        tv_nsec: libc::c_long::try_from(time_unix_ns % 1_000_000_000).expect("below 10^9"),
     };
     // SAFETY: `ts` is a valid timespec that outlives the call.
     cvt(unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) }).map(drop)
@@ -104,14 +105,15 @@ struct RandPoolInfo {
 /// Mixes `bytes` into the kernel's pool and credits them, so a fork's RNG diverges from its
 /// siblings' at once.
 fn add_entropy(bytes: &[u8]) -> io::Result<()> {
+    // At most REFRESH_ENTROPY_MAX (512) bytes, credited at 8 bits each.
+    let len = bytes.len().min(REFRESH_ENTROPY_MAX);
+    let c_len = libc::c_int::try_from(len).expect("at most REFRESH_ENTROPY_MAX");
     let mut info = RandPoolInfo {
-        entropy_count: (bytes.len() * 8) as libc::c_int,
-        buf_size: bytes.len() as libc::c_int,
+        entropy_count: c_len * 8,
+        buf_size: c_len,
         buf: [0; REFRESH_ENTROPY_MAX],
     };
-    let len = bytes.len().min(REFRESH_ENTROPY_MAX);
     info.buf[..len].copy_from_slice(&bytes[..len]);
-    info.buf_size = len as libc::c_int;
     let urandom = fs::OpenOptions::new().write(true).open("/dev/urandom")?;
     // SAFETY: RNDADDENTROPY reads a rand_pool_info whose buf holds buf_size bytes; `info` is
     // laid out like the kernel's struct (two ints, then the bytes) and buf_size <= buf.len().

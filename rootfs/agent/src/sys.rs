@@ -15,11 +15,8 @@ pub fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
 }
 
 pub fn cvt_isize(ret: isize) -> io::Result<usize> {
-    if ret < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(ret as usize)
-    }
+    // Negative: the call failed.
+    usize::try_from(ret).map_err(|_| io::Error::last_os_error())
 }
 
 /// A close-on-exec pipe: (read end, write end).
@@ -51,7 +48,7 @@ pub fn bytes_readable(fd: RawFd) -> io::Result<usize> {
     let mut n: libc::c_int = 0;
     // SAFETY: FIONREAD writes one int through the pointer, which points at `n`.
     cvt(unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n) })?;
-    Ok(n.max(0) as usize)
+    Ok(usize::try_from(n).unwrap_or(0))
 }
 
 /// read(2) without retry; `WouldBlock` on a non-blocking fd with nothing to read.
@@ -68,12 +65,16 @@ pub fn write(fd: &impl AsRawFd, buf: &[u8]) -> io::Result<usize> {
 
 /// Sends `signal` to every process of group `pgid`; a group that is gone is not an error.
 pub fn kill_group(pgid: u32, signal: libc::c_int) {
+    // kill(0) or kill(-1) would hit far more than the group; no real group is beyond pid_t.
+    let Ok(pgid) = libc::pid_t::try_from(pgid) else {
+        return;
+    };
     if pgid <= 1 {
-        return; // kill(0) or kill(-1) would hit far more than the group.
+        return;
     }
     // SAFETY: kill has no memory effects; the pgid was checked above to be a real group.
     unsafe {
-        libc::kill(-(pgid as libc::pid_t), signal);
+        libc::kill(-pgid, signal);
     }
 }
 
@@ -89,7 +90,8 @@ pub fn clock_ms(clock: libc::clockid_t) -> io::Result<u64> {
     };
     // SAFETY: `ts` is a valid timespec for clock_gettime to fill.
     cvt(unsafe { libc::clock_gettime(clock, &mut ts) })?;
-    Ok(ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000)
+    // A monotonic clock: never negative.
+    Ok(ts.tv_sec.unsigned_abs() * 1000 + ts.tv_nsec.unsigned_abs() / 1_000_000)
 }
 
 pub fn hostname() -> String {
@@ -113,7 +115,7 @@ pub fn set_hostname(name: &str) -> io::Result<()> {
 pub fn set_socket_timeout(fd: RawFd, option: libc::c_int, d: Option<Duration>) -> io::Result<()> {
     let d = d.unwrap_or(Duration::ZERO);
     let tv = libc::timeval {
-        tv_sec: d.as_secs() as libc::time_t,
+        tv_sec: libc::time_t::try_from(d.as_secs()).unwrap_or(libc::time_t::MAX),
         tv_usec: d.subsec_micros() as libc::suseconds_t,
     };
     // SAFETY: the option value points at a timeval of the size passed.
@@ -123,7 +125,7 @@ pub fn set_socket_timeout(fd: RawFd, option: libc::c_int, d: Option<Duration>) -
             libc::SOL_SOCKET,
             option,
             (&tv as *const libc::timeval).cast(),
-            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            libc::socklen_t::try_from(std::mem::size_of::<libc::timeval>()).expect("16 bytes"),
         )
     })
     .map(drop)

@@ -1,5 +1,15 @@
 //! `mayfly-rig`: run a command on a real /dev/kvm inside an emulated machine (the test rig), or say
 //! whether tests need the rig on this machine.
+// Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
+// why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
 
 use std::ffi::OsString;
 use std::io::IsTerminal;
