@@ -25,7 +25,6 @@
 //! A client that hangs up kills the command.
 
 use std::io::{self, Read, Write};
-use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
@@ -376,31 +375,22 @@ fn watch_hangup<T>(client: &UnixStream, agent: Option<UnixStream>, f: impl FnOnc
             .name("api-exec-watch".into())
             .stack_size(crate::HELPER_THREAD_STACK)
             .spawn_scoped(scope, || {
-                let mut fds = [
-                    // No events asked: POLLHUP (peer closed) and POLLERR come anyway, and
-                    // bytes a client sends after its request do not wake us.
-                    libc::pollfd {
-                        fd: client.as_raw_fd(),
-                        events: 0,
-                        revents: 0,
-                    },
-                    libc::pollfd {
-                        fd: woken.as_raw_fd(),
-                        events: libc::POLLIN,
-                        revents: 0,
-                    },
-                ];
+                use nix::poll::{poll, PollFd, PollFlags};
+                let fired = |fd: &PollFd| fd.revents().is_some_and(|r| !r.is_empty());
                 loop {
-                    // SAFETY: `fds` is an array of initialised pollfd structs that outlives
-                    // the call, and its length is passed with it.
-                    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
-                    if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                        continue;
+                    let mut fds = [
+                        // No events asked: POLLHUP (peer closed) and POLLERR come anyway, and
+                        // bytes a client sends after its request do not wake us.
+                        PollFd::new(client, PollFlags::empty()),
+                        PollFd::new(&woken, PollFlags::POLLIN),
+                    ];
+                    match poll(&mut fds, -1) {
+                        Err(nix::errno::Errno::EINTR) => continue,
+                        Err(_) => return,
+                        Ok(_) if fired(&fds[1]) => return,
+                        Ok(_) => {}
                     }
-                    if n < 0 || fds[1].revents != 0 {
-                        return;
-                    }
-                    if fds[0].revents != 0 {
+                    if fired(&fds[0]) {
                         let _ = agent.shutdown(std::net::Shutdown::Both);
                         return;
                     }

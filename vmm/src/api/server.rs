@@ -5,7 +5,6 @@
 //! a well-formed request is answered while a hundred others are still being sent.
 
 use std::io::Write;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -438,32 +437,24 @@ fn serve<E: Send + 'static>(
     wrap: fn(ApiCall) -> E,
     timeouts: Timeouts,
 ) {
-    let mut fds = [
-        libc::pollfd {
-            fd: listener.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: woken.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
+    use nix::poll::{poll, PollFd, PollFlags};
+    let fired = |fd: &PollFd| fd.revents().is_some_and(|r| !r.is_empty());
     loop {
-        // SAFETY: `fds` is an array of initialised pollfd structs that outlives the call, and
-        // its length is passed with it.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
-        if shared.stopping.load(Ordering::SeqCst) || fds[1].revents != 0 {
+        let mut fds = [
+            PollFd::new(&listener, PollFlags::POLLIN),
+            PollFd::new(&woken, PollFlags::POLLIN),
+        ];
+        let ready = poll(&mut fds, -1);
+        if shared.stopping.load(Ordering::SeqCst) || fired(&fds[1]) {
             return;
         }
-        if ready < 0 {
-            if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+        if let Err(errno) = ready {
+            if errno != nix::errno::Errno::EINTR {
                 std::thread::sleep(Duration::from_millis(100));
             }
             continue;
         }
-        if fds[0].revents == 0 {
+        if !fired(&fds[0]) {
             continue;
         }
         match listener.accept() {
