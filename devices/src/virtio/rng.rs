@@ -9,7 +9,7 @@ use std::sync::Arc;
 use event_manager::{EventOps, Events, MutEventSubscriber};
 use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_ids::VIRTIO_ID_RNG;
-use virtio_queue::{Queue, QueueOwnedT};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -95,7 +95,16 @@ impl Rng {
         };
         let mut buf = vec![0u8; MAX_PER_REQUEST];
         let mut notify = false;
+        // At most a queue's worth per pass, then again on the loop's next turn: a driver that
+        // lays its used ring over its avail index makes every answer "offer" another request,
+        // which spun here forever (found by the fuzzer, fuzz/ device_state).
+        let budget = usize::from(active.queue.size());
+        let mut answered = 0;
         loop {
+            if answered >= budget {
+                let _ = self.queue_events[0].write(1);
+                break;
+            }
             let chain = match active.queue.iter(&active.mem) {
                 Ok(mut iter) => iter.next(),
                 // The driver's avail index is beyond what the queue can hold: stop here.
@@ -120,6 +129,7 @@ impl Rng {
                 Ok(needs) => notify |= needs,
                 Err(_) => break,
             }
+            answered += 1;
             self.served += 1;
         }
         if notify {
@@ -285,5 +295,43 @@ mod tests {
         rng.process_queue();
         assert_eq!(vq.used().idx().load(), 0);
         assert_eq!(rng.served(), 0);
+    }
+
+    #[test]
+    fn a_used_ring_over_the_avail_ring_does_not_spin() {
+        // Found by the fuzzer (fuzz/, device_state): with the used ring laid over the avail
+        // ring and the used index restored five ahead of the avail one, every answer moved
+        // the avail index five past what had been taken, so the pass never ran out of
+        // requests. On a thread, so a pass that never ends fails the test, not hangs it.
+        let mem: &'static GuestMemory = Box::leak(Box::new(mem()));
+        let (done, pass) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let queue = Queue::try_from(virtio_queue::QueueState {
+                max_size: 256,
+                next_avail: 0,
+                next_used: 5,
+                event_idx_enabled: false,
+                size: 16,
+                ready: true,
+                desc_table: 0x1000,
+                avail_ring: 0x2000,
+                used_ring: 0x2000,
+            })
+            .unwrap();
+            let mut rng = Rng::new().unwrap();
+            let interrupt = Arc::new(Interrupt::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()));
+            rng.activate(mem.clone(), vec![queue], interrupt).unwrap();
+            // One request offered; each answer then offers the next.
+            mem.write_obj(1u16, GuestAddress(0x2002)).unwrap();
+            rng.process_queue();
+            let _ = done.send(rng.served());
+        });
+        let served = pass
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the pass over overlapping rings ended");
+        assert!(
+            served <= 2 * 16,
+            "at most a queue's worth per pass: {served}"
+        );
     }
 }

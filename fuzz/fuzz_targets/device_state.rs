@@ -1,0 +1,155 @@
+//! A virtio device restored from a saved state, then driven by its guest: the transport's
+//! saved registers and queues (`MmioTransportState`, as a snapshot's state file holds it, and
+//! a state file may come from anywhere), the device's own saved state, then the guest's MMIO
+//! register reads and writes and queue notifications. A state that does not fit the device or
+//! guest memory is refused; whatever is accepted must then run without a panic or a hang.
+//!
+//! Input: a device selector; the device's and the transport's saved fields; guest memory
+//! (16 KiB); then rounds of an MMIO access (read or write, register offset, value) or a
+//! notification of every queue followed by one pass of the device's event loop.
+#![no_main]
+
+use std::sync::{Arc, Mutex};
+
+use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
+use libfuzzer_sys::fuzz_target;
+use mayfly_devices::bus::BusDevice;
+use mayfly_devices::virtio::mmio::{MmioTransport, MmioTransportState};
+use mayfly_devices::virtio::rng::{Rng, RngState};
+use mayfly_devices::virtio::vsock::{Vsock, VsockState};
+use mayfly_devices::virtio::{GuestMemory, Interrupt, QueueSnapshot, VirtioDevice};
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+const MEM: usize = 16 << 10;
+const MAX_ROUNDS: usize = 64;
+
+/// Reads the input front to back; past its end, zeros.
+struct Input<'a>(&'a [u8]);
+
+impl<'a> Input<'a> {
+    fn take(&mut self, n: usize) -> &'a [u8] {
+        let n = n.min(self.0.len());
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        head
+    }
+    fn byte(&mut self) -> u8 {
+        self.take(1).first().copied().unwrap_or(0)
+    }
+    fn u16(&mut self) -> u16 {
+        u16::from_le_bytes([self.byte(), self.byte()])
+    }
+    fn u32(&mut self) -> u32 {
+        u32::from(self.u16()) | u32::from(self.u16()) << 16
+    }
+    fn u64(&mut self) -> u64 {
+        u64::from(self.u32()) | u64::from(self.u32()) << 32
+    }
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+fn transport_state(input: &mut Input) -> MmioTransportState {
+    let status = input.u32();
+    let device_features_select = input.u32();
+    let driver_features_select = input.u32();
+    let driver_features = input.u64();
+    let queue_select = input.u32();
+    let interrupt_status = input.u32();
+    let config_generation = input.u32();
+    let count = usize::from(input.byte() % 5);
+    let queues = (0..count)
+        .map(|_| QueueSnapshot {
+            max_size: input.u16(),
+            size: input.u16(),
+            ready: input.byte() & 1 == 1,
+            // Mostly inside the small guest memory, sometimes anywhere.
+            desc_table: if input.byte() & 1 == 1 {
+                input.u64()
+            } else {
+                u64::from(input.u16())
+            },
+            avail_ring: u64::from(input.u16()),
+            used_ring: u64::from(input.u16()),
+            next_avail: input.u16(),
+            next_used: input.u16(),
+            event_idx: input.byte() & 1 == 1,
+        })
+        .collect();
+    MmioTransportState {
+        status,
+        device_features_select,
+        driver_features_select,
+        driver_features,
+        queue_select,
+        interrupt_status,
+        config_generation,
+        queues,
+        activated: input.byte() & 1 == 1,
+    }
+}
+
+fn drive<D: VirtioDevice + MutEventSubscriber + 'static>(device: D, input: &mut Input) {
+    let device = Arc::new(Mutex::new(device));
+    let state = transport_state(input);
+    let mem = GuestMemory::from_ranges(&[(GuestAddress(0), MEM)]).expect("guest memory");
+    mem.write_slice(input.take(MEM), GuestAddress(0))
+        .expect("the image fits");
+    let interrupt = Arc::new(Interrupt::new(
+        EventFd::new(EFD_NONBLOCK).expect("an eventfd"),
+    ));
+    let dyn_device: Arc<Mutex<dyn VirtioDevice>> = device.clone();
+    let Ok(mut transport) = MmioTransport::restore(dyn_device, mem.clone(), interrupt, &state)
+    else {
+        return;
+    };
+    let mut events: EventManager<Arc<Mutex<D>>> = EventManager::new().expect("an event manager");
+    events.add_subscriber(device.clone());
+    for _ in 0..MAX_ROUNDS {
+        if input.is_empty() {
+            break;
+        }
+        let op = input.byte();
+        let offset = u64::from(input.u16() % 0x200);
+        match op % 4 {
+            0 => {
+                let mut data = [0u8; 4];
+                transport.read(offset, &mut data);
+            }
+            1 | 2 => transport.write(offset, &input.u32().to_le_bytes()),
+            _ => {
+                for event in device.lock().unwrap().queue_events() {
+                    let _ = event.write(1);
+                }
+                let _ = events.run_with_timeout(0);
+            }
+        }
+    }
+    let _ = transport.state();
+}
+
+fuzz_target!(|data: &[u8]| {
+    let mut input = Input(data);
+    match input.byte() % 2 {
+        0 => {
+            let state = RngState {
+                acked_features: input.u64(),
+            };
+            if let Ok(rng) = Rng::restore(&state) {
+                drive(rng, &mut input);
+            }
+        }
+        _ => {
+            let state = VsockState {
+                guest_cid: input.u64(),
+                acked_features: input.u64(),
+                next_local_port: input.u32(),
+            };
+            if let Ok(vsock) = Vsock::restore(&state, 3, None) {
+                drive(vsock, &mut input);
+            }
+        }
+    }
+});
