@@ -1007,3 +1007,40 @@ fn an_avail_index_beyond_the_queue_ends_the_pass() {
         .expect("the pass over an avail index beyond the queue ended");
     assert_eq!(used, 0, "nothing is served from a broken avail ring");
 }
+
+#[test]
+fn rings_laid_over_each_other_end_the_pass() {
+    // Found by the fuzzer (fuzz/, virtio_devices): with the used ring's flags on top of the
+    // avail index, turning notifications off set that index to 1 and turning them on set it
+    // to 0, so each re-check found "more" and popped nothing, forever. On a thread, so that a
+    // pass that never ends fails the test instead of hanging it.
+    let mem: &'static GuestMemory = Box::leak(Box::new(mem()));
+    let (done, pass) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut rig = Rig::new(mem, false);
+        rig.block.reset();
+        // Without EVENT_IDX: notifications are switched through the used ring's flags.
+        let features = rig.block.features() & !(1 << VIRTIO_RING_F_EVENT_IDX);
+        rig.block.ack_features(features);
+        let queue = Queue::try_from(virtio_queue::QueueState {
+            max_size: QLEN,
+            next_avail: 0,
+            next_used: 0,
+            event_idx_enabled: false,
+            size: 16,
+            ready: true,
+            desc_table: 0x1000,
+            avail_ring: 0x2002,
+            used_ring: 0x2004,
+        })
+        .unwrap();
+        let interrupt = Arc::new(Interrupt::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()));
+        rig.block
+            .activate(mem.clone(), vec![queue], interrupt)
+            .unwrap();
+        rig.run();
+        let _ = done.send(());
+    });
+    pass.recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the pass over overlapping rings ended");
+}
