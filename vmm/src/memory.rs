@@ -388,7 +388,16 @@ pub fn data_extents(file: &File, start: u64, len: u64) -> std::io::Result<Vec<(u
             let err = std::io::Error::last_os_error();
             match err.raw_os_error() {
                 Some(libc::ENXIO) => break, // no data after pos
-                Some(libc::EINVAL) if pos == start => return Ok(vec![(start, len)]),
+                Some(libc::EINVAL) if pos == start => {
+                    // No SEEK_DATA here: all of it is data, up to the file's end.
+                    let file_len = file.metadata()?.len();
+                    let end = end.min(file_len);
+                    return Ok(if end > start {
+                        vec![(start, end - start)]
+                    } else {
+                        Vec::new()
+                    });
+                }
                 _ => return Err(err),
             }
         };

@@ -376,7 +376,8 @@ fn watch_hangup<T>(client: &UnixStream, agent: Option<UnixStream>, f: impl FnOnc
             .stack_size(crate::HELPER_THREAD_STACK)
             .spawn_scoped(scope, || {
                 use nix::poll::{poll, PollFd, PollFlags};
-                let fired = |fd: &PollFd| fd.revents().is_some_and(|r| !r.is_empty());
+                // Bits nix does not know (None) count as fired: never a spin on them.
+                let fired = |fd: &PollFd| fd.revents().is_none_or(|r| !r.is_empty());
                 loop {
                     let mut fds = [
                         // No events asked: POLLHUP (peer closed) and POLLERR come anyway, and

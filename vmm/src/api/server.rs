@@ -438,7 +438,8 @@ fn serve<E: Send + 'static>(
     timeouts: Timeouts,
 ) {
     use nix::poll::{poll, PollFd, PollFlags};
-    let fired = |fd: &PollFd| fd.revents().is_some_and(|r| !r.is_empty());
+    // Bits nix does not know (None) count as fired: never a spin on them.
+    let fired = |fd: &PollFd| fd.revents().is_none_or(|r| !r.is_empty());
     loop {
         let mut fds = [
             PollFd::new(&listener, PollFlags::POLLIN),

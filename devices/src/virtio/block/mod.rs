@@ -286,7 +286,12 @@ impl Block {
                     // the next notification. (Not `None`: notifications back on would find
                     // the same index "pending" and come round again, forever; the fuzzer's
                     // first find.)
-                    Err(_) => break 'batch,
+                    // Notifications go back on first: the driver must not be told to stay
+                    // quiet while nothing is being served.
+                    Err(_) => {
+                        let _ = active.queue.enable_notification(mem);
+                        break 'batch;
+                    }
                 };
                 let Some(chain) = chain else { break };
                 let head = chain.head_index();
