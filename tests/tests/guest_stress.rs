@@ -62,13 +62,16 @@ struct Tally {
     /// The longest a slow VM's counter took to move.
     slowest: Duration,
     evidence: Vec<String>,
+    /// The first few slow VMs, with their readings.
+    slow_evidence: Vec<String>,
 }
 
 /// What checking one VM found.
 enum Outcome {
     Answered,
-    /// Answered, but its counter took this long to move.
-    Slow(Duration),
+    /// Answered, but its counter took this long to move (since the first of the three reads),
+    /// standing still at these readings.
+    Slow(Duration, Vec<u64>),
     Failed {
         crashed: bool,
         report: String,
@@ -204,13 +207,17 @@ fn check_all(vms: &[Started], before: u64, tally: &mut Tally) {
     for (vm, outcome) in vms.iter().zip(results) {
         match outcome {
             Outcome::Answered => {}
-            Outcome::Slow(took) => {
-                eprintln!(
-                    "guest_stress: slow, not stalled: {}: its counter moved after {took:.1?}",
+            Outcome::Slow(took, counts) => {
+                let report = format!(
+                    "{}: its counter stood at {counts:?}, moved within {took:.1?}",
                     vm.what
                 );
+                eprintln!("guest_stress: slow, not stalled: {report}");
                 tally.slow += 1;
                 tally.slowest = tally.slowest.max(took);
+                if tally.slow_evidence.len() < MAX_EVIDENCE {
+                    tally.slow_evidence.push(report);
+                }
             }
             Outcome::Failed { crashed, report } => {
                 if crashed {
@@ -271,7 +278,7 @@ fn check(vm: &Started, before: u64) -> Outcome {
             ));
         } else if counts[2] <= counts[0] {
             match counter_moves(&vm.sock, counts[0], first + ANSWER_BOUND) {
-                Ok(()) => slow = Some(first.elapsed()),
+                Ok(()) => slow = Some((first.elapsed(), counts.clone())),
                 Err(why) => {
                     let tasks = answer(&vm.sock, GUEST_TASKS).unwrap_or_else(|e| e);
                     problem = Some(format!(
@@ -290,7 +297,7 @@ fn check(vm: &Started, before: u64) -> Outcome {
     }
     let Some(problem) = problem else {
         return match slow {
-            Some(took) => Outcome::Slow(took),
+            Some((took, counts)) => Outcome::Slow(took, counts),
             None => Outcome::Answered,
         };
     };
@@ -316,11 +323,14 @@ fn check(vm: &Started, before: u64) -> Outcome {
 }
 
 /// Read the counter until it is past `seen` (Ok) or `deadline` passes (Err: the last reading).
+/// A move seen only after the deadline is a stall too. Reads are 2 s apart: each one is an
+/// agent command (vsock traffic, a new process), which should disturb the guest little.
 fn counter_moves(sock: &Path, seen: u64, deadline: Instant) -> Result<(), String> {
     loop {
         let now = match answer(sock, "cat /tmp/count") {
             Ok(out) => match out.trim().parse::<u64>() {
-                Ok(n) if n > seen => return Ok(()),
+                Ok(n) if n > seen && Instant::now() <= deadline => return Ok(()),
+                Ok(n) if n > seen => format!("moved to {n} only after the bound"),
                 Ok(n) => format!("still {n}"),
                 Err(_) => format!("answered {out:?}"),
             },
@@ -329,7 +339,7 @@ fn counter_moves(sock: &Path, seen: u64, deadline: Instant) -> Result<(), String
         if Instant::now() >= deadline {
             return Err(format!("{now} after {ANSWER_BOUND:?}"));
         }
-        std::thread::sleep(Duration::from_millis(500));
+        std::thread::sleep(Duration::from_secs(2));
     }
 }
 
@@ -477,6 +487,7 @@ fn clones_and_restores_of_a_busy_guest_all_answer() {
         "crashed": tally.crashed,
         "slow": tally.slow,
         "slowest_counter_seconds": tally.slowest.as_secs_f64(),
+        "slow_evidence": tally.slow_evidence,
         "failure_rate": f64::from(tally.failed()) / f64::from((tally.starts + tally.restores).max(1)),
         "seconds": start.elapsed().as_secs_f64(),
         "clones_per_fork": clones,
