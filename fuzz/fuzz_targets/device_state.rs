@@ -9,9 +9,13 @@
 //! notification of every queue followed by one pass of the device's event loop.
 #![no_main]
 
+#[path = "input.rs"]
+mod input;
+
 use std::sync::{Arc, Mutex};
 
 use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
+use input::Input;
 use libfuzzer_sys::fuzz_target;
 use mayfly_devices::bus::BusDevice;
 use mayfly_devices::virtio::mmio::{MmioTransport, MmioTransportState};
@@ -23,33 +27,6 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 const MEM: usize = 16 << 10;
 const MAX_ROUNDS: usize = 64;
-
-/// Reads the input front to back; past its end, zeros.
-struct Input<'a>(&'a [u8]);
-
-impl<'a> Input<'a> {
-    fn take(&mut self, n: usize) -> &'a [u8] {
-        let n = n.min(self.0.len());
-        let (head, tail) = self.0.split_at(n);
-        self.0 = tail;
-        head
-    }
-    fn byte(&mut self) -> u8 {
-        self.take(1).first().copied().unwrap_or(0)
-    }
-    fn u16(&mut self) -> u16 {
-        u16::from_le_bytes([self.byte(), self.byte()])
-    }
-    fn u32(&mut self) -> u32 {
-        u32::from(self.u16()) | u32::from(self.u16()) << 16
-    }
-    fn u64(&mut self) -> u64 {
-        u64::from(self.u32()) | u64::from(self.u32()) << 32
-    }
-    fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-}
 
 fn transport_state(input: &mut Input) -> MmioTransportState {
     let status = input.u32();

@@ -10,10 +10,14 @@
 //! pass of the device's event loop.
 #![no_main]
 
+#[path = "input.rs"]
+mod input;
+
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
+use input::Input;
 use libfuzzer_sys::fuzz_target;
 use mayfly_devices::disk::Disk;
 use mayfly_devices::virtio::block::Block;
@@ -31,34 +35,6 @@ const MAX_ROUNDS: usize = 64;
 /// The block device's disk.
 const DISK_BYTES: usize = 256 << 10;
 const BASE_ID: &str = "sha256:fuzz";
-
-/// Reads the input front to back; past its end, zeros.
-struct Input<'a>(&'a [u8]);
-
-impl<'a> Input<'a> {
-    fn take(&mut self, n: usize) -> &'a [u8] {
-        let n = n.min(self.0.len());
-        let (head, tail) = self.0.split_at(n);
-        self.0 = tail;
-        head
-    }
-    fn byte(&mut self) -> u8 {
-        self.take(1).first().copied().unwrap_or(0)
-    }
-    fn u16(&mut self) -> u16 {
-        u16::from(self.byte()) | u16::from(self.byte()) << 8
-    }
-    fn u64(&mut self) -> u64 {
-        let mut v = 0u64;
-        for i in 0..8 {
-            v |= u64::from(self.byte()) << (8 * i);
-        }
-        v
-    }
-    fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-}
 
 /// A directory of this process's own for the block device's files.
 fn scratch() -> &'static PathBuf {
