@@ -596,6 +596,7 @@ mod golden {
                             mac: [0x02, 0x4d, 0x46, 0x4c, 0x59, 0x01],
                             acked_features: 0x1_0000_4823,
                             status: 1,
+                            policy: "allow=198.51.100.0/24:443".into(),
                         }),
                     ),
                     virtio_device(

@@ -154,3 +154,19 @@ fn help_describes_run() {
         assert!(help.contains(flag), "{flag} missing from {help}");
     }
 }
+
+#[test]
+fn a_network_policy_that_does_not_parse() {
+    for (policy, expected) in [
+        ("closed", "\"closed\" is not a network policy"),
+        ("allow=10.0.0.0/33", "is not an allowlist entry"),
+        ("allow=10.0.0.1:0", "out of range"),
+        ("allow=10.0.0.1:65536", "out of range"),
+        ("allow=", "lists no destination"),
+        ("allow=2001:db8::1", "IPv6"),
+    ] {
+        let out = mayfly(&["run", "--net", policy], &[]);
+        assert_error(&out, 1, expected);
+        assert_error(&out, 1, "use none, open, or allow=CIDR[:PORT]");
+    }
+}

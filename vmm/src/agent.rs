@@ -305,11 +305,13 @@ impl Agent {
         Ok(self.connect()?.identity()?)
     }
 
-    /// Tell the guest it was restored or forked (or booted): clock, entropy, name, hooks.
+    /// Tell the guest it was restored or forked (or booted): clock, entropy, name, hooks, and
+    /// the MAC its NIC must have (`mac`, for a VM with a NIC).
     pub fn refresh(
         &self,
         event: RefreshEvent,
         identity: &Identity,
+        mac: Option<[u8; 6]>,
     ) -> Result<RefreshReply, AgentError> {
         // Connected first: the clock is read at the last moment, since waiting for the agent
         // may take seconds.
@@ -336,6 +338,10 @@ impl Agent {
                 generation: identity.generation,
             },
         );
+        let request = match mac {
+            Some(mac) => request.with_mac(mac),
+            None => request,
+        };
         let reply = client.refresh(&request)?;
         crate::trace::event("agent_refreshed");
         Ok(reply)
@@ -493,6 +499,7 @@ pub fn spawn_refresh(
     vsock: &Path,
     event: RefreshEvent,
     identity: Identity,
+    mac: Option<[u8; 6]>,
     wait: Duration,
     status: &Arc<RefreshStatus>,
 ) -> std::io::Result<()> {
@@ -503,7 +510,7 @@ pub fn spawn_refresh(
         .name("agent-refresh".into())
         .stack_size(crate::HELPER_THREAD_STACK)
         .spawn(move || {
-            let state = match agent.refresh(event, &identity) {
+            let state = match agent.refresh(event, &identity, mac) {
                 Ok(reply) => RefreshState::Done(Box::new(reply)),
                 Err(e) => RefreshState::Failed(e.to_string()),
             };

@@ -125,12 +125,21 @@ pub fn boot(config: &RunConfig) -> Result<Controller, BootError> {
         Some(image) => Some(kernel::load_initrd(mem, image, &kernel)?),
         None => None,
     };
-    kernel::write_cmdline(mem, &config.cmdline)?;
+    // A VM with a NIC is told its address (the same in every VM: see `net`) on its command line.
+    let cmdline = match devices.network() {
+        Some(network) => format!(
+            "{} {}",
+            config.cmdline,
+            crate::net::guest_cmdline_arg(network.guest())
+        ),
+        None => config.cmdline.clone(),
+    };
+    kernel::write_cmdline(mem, &cmdline)?;
     mptable::write_mptable(mem, config.vcpus)?;
     let rsdp = acpi::write_acpi_tables(mem, config.vcpus, &devices.acpi_devices())?;
     let e820 = e820_map(config.mem_bytes());
     let info = BootInfo {
-        cmdline_len: config.cmdline.len(),
+        cmdline_len: cmdline.len(),
         initrd,
         rsdp,
         e820: &e820,
@@ -186,7 +195,7 @@ pub fn boot(config: &RunConfig) -> Result<Controller, BootError> {
             identity,
             next_clone: 0,
             vcpu_count: config.vcpus,
-            cmdline: config.cmdline.clone(),
+            cmdline,
             origin: "boot".into(),
             started,
             probe: config.probe,

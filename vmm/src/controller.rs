@@ -18,6 +18,10 @@ use crate::event::{VmEvent, VmExit};
 use crate::fork::ForkError;
 use crate::machine::Machine;
 
+/// What the network routes answer for a VM without a NIC.
+const NO_NIC: &str =
+    "the VM has no NIC (it was started with --net none): boot it with --net open or --net allow=...";
+
 pub struct Controller {
     /// The control socket, when the VM has one. Dropped first: no request outlives the VM.
     pub api: Option<ApiServer>,
@@ -62,7 +66,12 @@ impl Controller {
             return;
         };
         let identity = self.machine.info.identity.clone();
-        if let Err(e) = crate::agent::spawn_refresh(&vsock, event, identity, wait, &self.refresh) {
+        // A clone's NIC has a MAC of its own, which its guest takes on now (a restored or
+        // booted VM's guest has it already: setting it again changes nothing).
+        let mac = self.machine.devices.network().map(|n| n.guest().mac);
+        if let Err(e) =
+            crate::agent::spawn_refresh(&vsock, event, identity, mac, wait, &self.refresh)
+        {
             eprintln!("mayfly: cannot start the guest refresh: {e}");
         }
     }
@@ -192,6 +201,35 @@ impl Controller {
                 }
             }
             Action::Shutdown => (Reply::no_content(), Some(VmExit::Shutdown)),
+            Action::Net => match self.machine.devices.network() {
+                Some(network) => (Reply::ok(crate::net::describe(network)), None),
+                None => (Reply::error(404, NO_NIC), None),
+            },
+            Action::NetPolicy(policy) => match self.machine.devices.network_mut() {
+                // Names are resolved now; a policy that cannot be applied leaves the old one.
+                Some(network) => match network.set_policy(policy) {
+                    Ok(()) => (Reply::ok(crate::net::describe(network)), None),
+                    Err(e) => (Reply::error(400, e.to_string()), None),
+                },
+                None => (Reply::error(404, NO_NIC), None),
+            },
+            Action::NetExpose { port, on } => match self.machine.devices.network_mut() {
+                Some(network) => match network.expose(port, on) {
+                    Ok(endpoint) => (
+                        Reply::ok(serde_json::json!({
+                            "guest_port": port,
+                            "host": match endpoint {
+                                mayfly_network::HostEndpoint::Tcp(addr) => format!("tcp:{addr}"),
+                                mayfly_network::HostEndpoint::Unix(path) =>
+                                    format!("unix:{}", path.display()),
+                            },
+                        })),
+                        None,
+                    ),
+                    Err(e) => (Reply::error(409, e.to_string()), None),
+                },
+                None => (Reply::error(404, NO_NIC), None),
+            },
         }
     }
 
@@ -216,6 +254,11 @@ impl Controller {
             "vsock": vsock.as_ref().map(|(path, cid)| serde_json::json!({
                 "path": path,
                 "guest_cid": cid,
+            })),
+            "net": m.devices.network().map(|n| serde_json::json!({
+                "policy": n.policy().to_string(),
+                "mac": crate::net::mac_text(n.guest().mac),
+                "outside_ip": n.outside_ip().to_string(),
             })),
         })
     }

@@ -29,6 +29,7 @@ use mayfly_devices::power::{AcpiPower, ACPI_POWER_PORT, ACPI_POWER_PORT_COUNT};
 use mayfly_devices::probe::{Probe, ProbeWaker, PROBE_ADDR, PROBE_SIZE};
 use mayfly_devices::virtio::block::{Block, BlockError};
 use mayfly_devices::virtio::mmio::{MmioTransport, MmioTransportState};
+use mayfly_devices::virtio::net::{Net, NetError};
 use mayfly_devices::virtio::rng::Rng;
 use mayfly_devices::virtio::thread::{DeviceThread, Gate};
 use mayfly_devices::virtio::vsock::{Vsock, VsockError};
@@ -39,6 +40,8 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::arch::layout::{GED_GSI, IOAPIC_PINS};
 use crate::disks::{self, DiskSetupError, DiskSpec};
 use crate::event::VmEvent;
+use crate::net::{self, NetSetupError, NetSpec, NetTargets};
+use mayfly_network::VmNetwork;
 
 /// Where virtio MMIO windows start: after the probe device's page, in the gap below 4 GiB.
 pub const VIRTIO_MMIO_START: u64 = PROBE_ADDR + PROBE_SIZE;
@@ -81,6 +84,10 @@ pub enum DeviceError {
     },
     #[error("disk {serial}: {source}")]
     Block { serial: String, source: BlockError },
+    #[error("the VM's network: {0}")]
+    Network(#[from] NetSetupError),
+    #[error("the VM's NIC: {0}")]
+    Net(#[from] NetError),
 }
 
 /// Hands out MMIO windows and interrupt lines, and takes back those a restored VM already has.
@@ -142,6 +149,8 @@ pub struct DevicesConfig {
     pub disks: Vec<DiskSpec>,
     /// Where the writable disks' own layers live (see `disks`).
     pub disk_dir: Option<PathBuf>,
+    /// A NIC and its network (none: `--net none`, no NIC at all).
+    pub net: Option<NetSpec>,
 }
 
 /// The vsock device: the guest's CID and the host socket (none: the guest can reach nothing
@@ -164,6 +173,8 @@ pub struct RestoreTargets {
     pub snapshot_dir: Option<PathBuf>,
     /// Where the writable disks' new top layers go.
     pub disk_dir: Option<PathBuf>,
+    /// Where the NIC's network is made (if the snapshot has a NIC), and with what.
+    pub net: NetTargets,
 }
 
 /// A device of known kind (for its own state), as the manager keeps it.
@@ -171,6 +182,7 @@ enum Concrete {
     Rng(Arc<Mutex<Rng>>),
     Vsock(Arc<Mutex<Vsock>>),
     Block(Arc<Mutex<Block>>),
+    Net(Arc<Mutex<Net>>),
 }
 
 struct VirtioSlot {
@@ -190,6 +202,7 @@ enum Summary {
     Rng,
     Vsock { path: Option<PathBuf>, cid: u64 },
     Block { serial: String, read_only: bool },
+    Net,
 }
 
 /// A device's lock, if its thread lets go of it within a moment: for the state dump, which must
@@ -221,6 +234,11 @@ pub struct DeviceManager {
     virtio: Vec<VirtioSlot>,
     /// Where the writable disks keep their layers (and new tops go at a freeze).
     disk_dir: Option<PathBuf>,
+    /// The NIC's network namespace, tap and policy, held for the VM's life (dropped after the
+    /// device threads: see the field order).
+    network: Option<VmNetwork>,
+    /// Where the NIC's network was made, for the clones a fork makes.
+    net_settings: Option<net::NetSettings>,
 }
 
 fn power_handler(events: &Sender<VmEvent>) -> PowerHandler {
@@ -288,6 +306,25 @@ impl DeviceManager {
                 None,
             )?;
         }
+        if let Some(spec) = &config.net {
+            if spec.policy != mayfly_network::Policy::None {
+                let mut network = net::attach(&spec.settings, &spec.policy, None)?;
+                let tap = network.take_tap().ok_or(DeviceError::BadState {
+                    device: "virtio-net",
+                    reason: "the network came without its tap".into(),
+                })?;
+                let device = Net::new(tap, network.guest().mac)?;
+                let res = allocator.allocate()?;
+                manager.add_virtio(
+                    wiring,
+                    res,
+                    Concrete::Net(Arc::new(Mutex::new(device))),
+                    None,
+                )?;
+                manager.network = Some(network);
+                manager.net_settings = Some(spec.settings.clone());
+            }
+        }
         Ok(manager)
     }
 
@@ -332,6 +369,28 @@ impl DeviceManager {
                             .map_err(|source| DeviceError::Block { serial, source })?,
                     )))
                 }
+                VirtioKindState::Net(s) => {
+                    if manager.network.is_some() {
+                        return Err(DeviceError::BadState {
+                            device: "virtio-net",
+                            reason: "the snapshot has two NICs; mayfly gives a VM one".into(),
+                        });
+                    }
+                    let policy = match &targets.net.policy {
+                        Some(policy) => policy.clone(),
+                        None => net::saved_policy(&s.policy)?,
+                    };
+                    let mac = (!targets.net.new_mac).then_some(s.mac);
+                    let mut network = net::attach(&targets.net.settings, &policy, mac)?;
+                    let tap = network.take_tap().ok_or(DeviceError::BadState {
+                        device: "virtio-net",
+                        reason: "the network came without its tap".into(),
+                    })?;
+                    let device = Net::restore_with_mac(s, tap, network.guest().mac)?;
+                    manager.network = Some(network);
+                    manager.net_settings = Some(targets.net.settings.clone());
+                    Concrete::Net(Arc::new(Mutex::new(device)))
+                }
                 #[allow(unreachable_patterns)]
                 _ => {
                     return Err(DeviceError::BadState {
@@ -341,6 +400,9 @@ impl DeviceManager {
                 }
             };
             manager.add_virtio(wiring, saved.resources, concrete, Some(&saved.transport))?;
+        }
+        if let (Some(policy), None) = (&targets.net.policy, &manager.network) {
+            return Err(NetSetupError::NoNic(policy.to_string()).into());
         }
         Ok(manager)
     }
@@ -399,6 +461,8 @@ impl DeviceManager {
             console_gate: Arc::new(Gate::default()),
             virtio: Vec::new(),
             disk_dir: None,
+            network: None,
+            net_settings: None,
         })
     }
 
@@ -414,6 +478,7 @@ impl DeviceManager {
             Concrete::Rng(d) => (d.clone(), "virtio-rng"),
             Concrete::Vsock(d) => (d.clone(), "virtio-vsock"),
             Concrete::Block(d) => (d.clone(), "virtio-blk"),
+            Concrete::Net(d) => (d.clone(), "virtio-net"),
         };
         let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(DeviceError::EventFd)?;
         wiring
@@ -454,6 +519,7 @@ impl DeviceManager {
             Concrete::Rng(d) => d.clone(),
             Concrete::Vsock(d) => d.clone(),
             Concrete::Block(d) => d.clone(),
+            Concrete::Net(d) => d.clone(),
         };
         let stack = crate::HELPER_THREAD_STACK;
         let thread = match saved {
@@ -477,6 +543,7 @@ impl DeviceManager {
                     read_only: d.disk().is_read_only(),
                 }
             }
+            Concrete::Net(_) => Summary::Net,
         };
         self.virtio.push(VirtioSlot {
             resources,
@@ -542,6 +609,13 @@ impl DeviceManager {
                         Concrete::Rng(d) => VirtioKindState::Rng(lock(d).save()),
                         Concrete::Vsock(d) => VirtioKindState::Vsock(lock(d).save()),
                         Concrete::Block(d) => VirtioKindState::Block(lock(d).save()),
+                        Concrete::Net(d) => {
+                            let mut state = lock(d).save();
+                            if let Some(network) = &self.network {
+                                state.policy = network.policy().to_string();
+                            }
+                            VirtioKindState::Net(state)
+                        }
                     },
                 })
                 .collect(),
@@ -595,6 +669,20 @@ impl DeviceManager {
         })
     }
 
+    /// The VM's network (its NIC's namespace, policy, counters), if it has a NIC.
+    pub fn network(&self) -> Option<&VmNetwork> {
+        self.network.as_ref()
+    }
+
+    pub fn network_mut(&mut self) -> Option<&mut VmNetwork> {
+        self.network.as_mut()
+    }
+
+    /// Where the NIC's network was made (a fork's clones make theirs there too).
+    pub fn net_settings(&self) -> Option<&net::NetSettings> {
+        self.net_settings.as_ref()
+    }
+
     /// One line per virtio device, for the state dump.
     pub fn describe(&self) -> Vec<String> {
         self.virtio
@@ -615,6 +703,10 @@ impl DeviceManager {
                             None => format!("block {serial} (BUSY: its thread holds it, stuck?)"),
                         }
                     }
+                    (Concrete::Net(d), _) => match try_lock_briefly(d) {
+                        Some(d) => format!("net {} ({:?})", net::mac_text(d.mac()), d.counters()),
+                        None => "net (BUSY: its thread holds it, stuck?)".to_string(),
+                    },
                     _ => "rng".to_string(),
                 };
                 let transport = match try_lock_briefly(&slot.transport) {

@@ -502,6 +502,7 @@ fn claim_clone_files(
         vsock: dir.join(format!("{name}.vsock")),
         vsock_cid: 0,
         disk_dir: disks.then(|| dir.join(format!("{name}.disks"))),
+        net: None,
         name: name.to_string(),
         index: 0,
         pid: 0,
@@ -682,6 +683,7 @@ fn fork_paused(
         claimed.push(CloneInfo {
             index,
             vsock_cid,
+            net: vm.devices.net_settings().cloned(),
             ..info
         });
     }

@@ -39,6 +39,7 @@ pub mod kernel;
 pub mod lazy;
 pub mod machine;
 pub mod memory;
+pub mod net;
 pub mod restore;
 pub mod snapshot;
 pub mod trace;
@@ -77,4 +78,6 @@ pub enum Error {
     Identity(#[from] identity::IdentityError),
     #[error(transparent)]
     Disk(disks::DiskSetupError),
+    #[error(transparent)]
+    Net(#[from] net::NetSetupError),
 }

@@ -85,6 +85,12 @@ enum Command {
     ///
     /// Example: mayfly cp --sock /tmp/vm.sock ./data.csv vm:/root/data.csv
     Cp(guest_commands::CpArgs),
+    /// Show a VM's network (policy, addresses, counters), change its egress policy, or
+    /// expose a guest port on the host.
+    ///
+    /// Examples: mayfly net --sock /tmp/vm.sock --policy allow=192.0.2.0/24:443
+    ///           mayfly net --sock /tmp/vm.sock --expose 8080      (prints the host address)
+    Net(NetArgs),
     /// Started by a fork: makes its clones (see the fork's code).
     #[command(hide = true)]
     Zygote(ZygoteArgs),
@@ -181,6 +187,58 @@ struct RestoreArgs {
     /// --disk-dir`). Default: `<api-sock>.disks` when there is a control socket.
     #[arg(long, value_name = "DIR")]
     disk_dir: Option<PathBuf>,
+    /// The restored NIC's egress policy instead of the snapshot's (see `mayfly run --net`;
+    /// `none` keeps the NIC but lets nothing out). Only for a snapshot of a VM with a NIC.
+    #[arg(long, value_name = "none|open|allow=...")]
+    net: Option<String>,
+    #[command(flatten)]
+    net_place: NetPlaceArgs,
+}
+
+#[derive(Args)]
+struct NetArgs {
+    #[command(flatten)]
+    sock: SockArgs,
+    /// The egress policy from now on: none, open or allow=CIDR[:PORT],... Tightening it cuts
+    /// open connections the new policy forbids (at their next packet).
+    #[arg(long, value_name = "none|open|allow=...", conflicts_with = "expose")]
+    policy: Option<String>,
+    /// Make this guest port reachable on the host (for as long as the VM runs).
+    #[arg(long, value_name = "PORT")]
+    expose: Option<u16>,
+    /// With --expose: where to listen: tcp:ADDR:PORT (port 0: a free one) or unix:PATH.
+    #[arg(
+        long,
+        value_name = "tcp:ADDR:PORT|unix:PATH",
+        requires = "expose",
+        default_value = "tcp:127.0.0.1:0"
+    )]
+    on: String,
+}
+
+/// Where a VM's network is made (with `--net` other than none).
+#[derive(Args)]
+struct NetPlaceArgs {
+    /// Where mayfly keeps its network slot locks and pooled namespaces.
+    #[arg(long, value_name = "DIR", default_value = "/run/mayfly/net")]
+    net_dir: PathBuf,
+    /// The network namespace VMs' traffic goes out to (a path like /run/netns/NAME or
+    /// /proc/PID/ns/net). Default: mayfly's own.
+    #[arg(long, value_name = "PATH")]
+    net_uplink: Option<PathBuf>,
+    /// The DNS resolver the guest is told to use; an allowlist lets DNS reach it, and only it.
+    #[arg(long, value_name = "IPV4")]
+    net_dns: Option<std::net::Ipv4Addr>,
+}
+
+impl NetPlaceArgs {
+    fn settings(&self) -> mayfly_vmm::net::NetSettings {
+        mayfly_vmm::net::NetSettings {
+            state_dir: self.net_dir.clone(),
+            uplink: self.net_uplink.clone(),
+            dns: self.net_dns,
+        }
+    }
 }
 
 /// A VM's file as given, or beside its control socket: `<api-sock><suffix>` (the vsock
@@ -257,6 +315,14 @@ struct RunArgs {
     /// directory (after a crash, say), the disks carry on on the same layers.
     #[arg(long, value_name = "DIR")]
     disk_dir: Option<PathBuf>,
+    /// The VM's network: `none` (no NIC at all), `open` (anything but the host's own VM
+    /// links), or `allow=CIDR[:PORT],...` (only these destinations; names are resolved and
+    /// pinned now). Enforced outside the guest, in the VM's own network namespace; changeable
+    /// at runtime (`mayfly net --policy`), kept by snapshots, restores and forks.
+    #[arg(long, value_name = "none|open|allow=...", default_value = "none")]
+    net: String,
+    #[command(flatten)]
+    net_place: NetPlaceArgs,
 }
 
 impl RunArgs {
@@ -278,6 +344,11 @@ impl RunArgs {
         if disks.len() > mayfly_vmm::disks::MAX_DISKS {
             return Err(Error::Disk(mayfly_vmm::disks::DiskSetupError::TooManyDisks));
         }
+        let policy = mayfly_vmm::net::parse_policy(&self.net)?;
+        let net = (policy != mayfly_network::Policy::None).then(|| mayfly_vmm::net::NetSpec {
+            policy,
+            settings: self.net_place.settings(),
+        });
         let disk_dir = beside_socket(self.disk_dir, self.api_sock.as_deref(), ".disks");
         if disk_dir.is_none() && disks.iter().any(|d| !d.read_only) {
             return Err(Error::Disk(mayfly_vmm::disks::DiskSetupError::NoDiskDir));
@@ -327,6 +398,7 @@ impl RunArgs {
                 }),
                 disks,
                 disk_dir,
+                net,
             },
             api_sock: self.api_sock,
             name: match self.name {
@@ -384,6 +456,21 @@ fn main() -> ExitCode {
         ),
         Command::Exec(args) => guest_commands::exec(args),
         Command::Cp(args) => guest_commands::cp(args),
+        Command::Net(args) => match (args.policy, args.expose) {
+            (Some(policy), _) => client(
+                &args.sock.sock,
+                "PUT",
+                "/vm/net/policy",
+                Some(serde_json::json!({ "policy": policy })),
+            ),
+            (None, Some(port)) => client(
+                &args.sock.sock,
+                "PUT",
+                "/vm/net/expose",
+                Some(serde_json::json!({ "port": port, "on": args.on })),
+            ),
+            (None, None) => client(&args.sock.sock, "GET", "/vm/net", None),
+        },
         Command::Zygote(args) => {
             if let Err(err) = mayfly_vmm::memory::install_sigbus_handler() {
                 return fail(Error::Signals(err));
@@ -465,6 +552,11 @@ fn restore(args: RestoreArgs, started: Started) -> ExitCode {
             return fail_and_report(ready, err);
         }
     }
+    let net_policy = match args.net.as_deref().map(mayfly_vmm::net::parse_policy) {
+        None => None,
+        Some(Ok(policy)) => Some(policy),
+        Some(Err(err)) => return fail_and_report(ready, err),
+    };
     let config = RestoreConfig {
         source: SnapshotSource::Dir(args.dir.clone()),
         memory,
@@ -481,6 +573,11 @@ fn restore(args: RestoreArgs, started: Started) -> ExitCode {
                 vsock_cid: None,
                 snapshot_dir: Some(args.dir.clone()),
                 disk_dir: beside_socket(args.disk_dir, args.api_sock.as_deref(), ".disks"),
+                net: mayfly_vmm::net::NetTargets {
+                    settings: args.net_place.settings(),
+                    policy: net_policy,
+                    new_mac: false,
+                },
             },
         },
     };

@@ -62,6 +62,10 @@ pub struct CloneInfo {
     /// Where its writable disks keep their own layers (on the parent's frozen chain).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub disk_dir: Option<PathBuf>,
+    /// Where its NIC's network is made (its parent's settings; it gets a namespace and a MAC
+    /// of its own), if the parent has a NIC.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub net: Option<crate::net::NetSettings>,
     /// From the fork request until this clone reported that it runs.
     #[serde(default)]
     pub ready_ms: f64,
@@ -73,7 +77,10 @@ pub struct CloneInfo {
 #[derive(Debug, Serialize, Deserialize)]
 enum Message {
     /// Forking VMM → zygote: start this clone (its console log attached).
-    Start { parent: String, clone: CloneInfo },
+    Start {
+        parent: String,
+        clone: Box<CloneInfo>,
+    },
     /// Zygote → forking VMM: the snapshot cannot be restored here; no clone will start.
     Unusable { reason: String },
     /// Zygote → forking VMM: the clone's process (its pidfd attached).
@@ -856,7 +863,7 @@ fn send_start(state: &mut Follow, fork: &Fork, index: u32) -> Result<bool, Zygot
         .expect("every index has an entry");
     let message = encode(&Message::Start {
         parent: fork.parent.to_string(),
-        clone: entry.info.clone(),
+        clone: Box::new(entry.info.clone()),
     })
     .ok_or_else(|| {
         format!(
@@ -1115,7 +1122,7 @@ pub fn serve(state_fd: RawFd, memory_fd: RawFd, socket_fd: RawFd, clone_main: Cl
             Err(_) => return 1,
         };
         let (parent, clone) = match serde_json::from_slice(&buf[..len]) {
-            Ok(Message::Start { parent, clone }) => (parent, clone),
+            Ok(Message::Start { parent, clone }) => (parent, *clone),
             Ok(Message::Abort) => {
                 abort(&mut children);
                 return 1;
@@ -1266,6 +1273,11 @@ fn become_clone(
             vsock_cid: Some(clone.vsock_cid),
             snapshot_dir: None,
             disk_dir: clone.disk_dir.clone(),
+            net: crate::net::NetTargets {
+                settings: clone.net.clone().unwrap_or_default(),
+                policy: None,
+                new_mac: true,
+            },
         },
     };
     clone_main(prepared, instance, report)
@@ -1289,6 +1301,7 @@ mod tests {
             console_input: format!("/nonexistent/c-{index}.in").into(),
             vsock: format!("/nonexistent/c-{index}.vsock").into(),
             vsock_cid: 1000 + u64::from(index),
+            net: None,
             disk_dir: None,
             ready_ms: 0.0,
         }

@@ -698,6 +698,11 @@ pub struct RefreshRequest {
     /// A valid DNS label.
     pub hostname: String,
     pub identity: Identity,
+    /// The MAC the VM's virtio NIC must have (`02:6d:...`, lower-case hex): a clone's own,
+    /// which its guest, which learnt its parent's, takes on now. Absent: the VM has no NIC (or
+    /// the VMM is older), nothing to change.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
 }
 
 impl RefreshRequest {
@@ -715,7 +720,19 @@ impl RefreshRequest {
             entropy: crate::base64::encode(entropy),
             hostname: hostname.into(),
             identity,
+            mac: None,
         }
+    }
+
+    /// The request with the NIC's MAC to set (see [`RefreshRequest::mac`]).
+    pub fn with_mac(mut self, mac: [u8; 6]) -> RefreshRequest {
+        self.mac = Some(format_mac(mac));
+        self
+    }
+
+    /// The MAC to set, parsed.
+    pub fn mac_bytes(&self) -> Result<Option<[u8; 6]>, String> {
+        self.mac.as_deref().map(parse_mac).transpose()
     }
 
     /// The decoded entropy, checked for length.
@@ -732,6 +749,7 @@ impl RefreshRequest {
 
     pub fn validate(&self) -> Result<(), String> {
         self.entropy_bytes()?;
+        self.mac_bytes()?;
         if !is_dns_label(&self.hostname) {
             return Err(format!(
                 "hostname {:?} is not a DNS label (1-63 letters, digits and '-', \
@@ -745,6 +763,34 @@ impl RefreshRequest {
         }
         Ok(())
     }
+}
+
+/// A MAC as `02:6d:66:00:00:01`.
+pub fn format_mac(mac: [u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// A MAC from `02:6d:66:00:00:01` (either case): six two-digit hex bytes, unicast (the low bit
+/// of the first byte clear: a NIC cannot take a multicast address).
+pub fn parse_mac(text: &str) -> Result<[u8; 6], String> {
+    let bad = || format!("mac {text:?} is not a unicast MAC like 02:6d:66:00:00:01");
+    let mut mac = [0u8; 6];
+    let mut parts = text.split(':');
+    for byte in &mut mac {
+        let part = parts.next().ok_or_else(bad)?;
+        // from_str_radix alone would take a sign ("+2").
+        if part.len() != 2 || !part.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(bad());
+        }
+        *byte = u8::from_str_radix(part, 16).map_err(|_| bad())?;
+    }
+    if parts.next().is_some() || mac[0] & 1 != 0 {
+        return Err(bad());
+    }
+    Ok(mac)
 }
 
 /// Whether `s` is a DNS label (RFC 1123): 1-63 ASCII letters, digits and hyphens, not
@@ -862,6 +908,10 @@ pub struct RefreshReply {
     /// How many entropy bytes were mixed into the kernel's pool.
     pub entropy_bytes: u64,
     pub hostname_set: bool,
+    /// Whether the NIC took the MAC the request asked for (false: none asked, or it failed:
+    /// see `warnings`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub mac_set: bool,
     /// In the order they ran.
     pub hooks: Vec<HookReport>,
     /// Why a system change did not happen (e.g. clock_settime failed), if one did not.

@@ -342,9 +342,35 @@ fn refresh_validation() {
         let r = RefreshRequest::new(RefreshEvent::Fork, 1, &vec![0u8; len], "a", identity());
         assert!(r.validate().is_err(), "{len} bytes of entropy accepted");
     }
-    let mut r = good;
+    let mut r = good.clone();
     r.entropy = "not base64!".into();
     assert!(r.validate().unwrap_err().contains("entropy"));
+
+    // The NIC's MAC: six hex bytes, unicast; absent means nothing to set.
+    assert_eq!(good.mac_bytes().unwrap(), None);
+    let with_mac = good.clone().with_mac([0x02, 0x6d, 0x66, 0, 0xab, 1]);
+    assert_eq!(with_mac.mac.as_deref(), Some("02:6d:66:00:ab:01"));
+    assert_eq!(
+        with_mac.mac_bytes().unwrap(),
+        Some([0x02, 0x6d, 0x66, 0, 0xab, 1])
+    );
+    assert!(Request::Refresh(with_mac).validate().is_ok());
+    for mac in [
+        "",
+        "02:6d:66:00:ab",
+        "02:6d:66:00:ab:01:02",
+        "02-6d-66-00-ab-01",
+        "2:6d:66:00:ab:01",
+        "0g:6d:66:00:ab:01",
+        "01:00:5e:00:00:01",
+        "+2:6d:66:00:ab:01",
+    ] {
+        let mut r = good.clone();
+        r.mac = Some(mac.into());
+        assert!(r.validate().is_err(), "MAC {mac:?} accepted");
+    }
+    // Without a MAC the request is what an older VMM sends.
+    assert!(!serde_json::to_string(&good).unwrap().contains("mac"));
 }
 
 #[test]

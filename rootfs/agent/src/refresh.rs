@@ -64,6 +64,15 @@ pub fn refresh(conn: &mut Conn, req: &RefreshRequest, cfg: &Config) -> SessionRe
             Ok(()) => reply.hostname_set = true,
             Err(e) => reply.warnings.push(format!("sethostname failed: {e}")),
         }
+        // Validated with the request.
+        if let Ok(Some(mac)) = req.mac_bytes() {
+            match set_nic_mac(mac) {
+                Ok(()) => reply.mac_set = true,
+                Err(e) => reply
+                    .warnings
+                    .push(format!("setting the NIC's MAC failed: {e}")),
+            }
+        }
     }
     write_identity(&cfg.run_dir, &req.identity).map_err(|e| {
         OpError::io(
@@ -82,6 +91,31 @@ pub fn refresh(conn: &mut Conn, req: &RefreshRequest, cfg: &Config) -> SessionRe
         }
     }
     send_ok(conn, &reply)
+}
+
+/// Give the VM's virtio NIC (every interface the virtio_net driver runs) `mac`: a clone
+/// wakes with its parent's MAC, and the host lets out only frames from the clone's own.
+/// virtio-net changes its address while up, so nothing the guest has open is disturbed.
+fn set_nic_mac(mac: [u8; 6]) -> io::Result<()> {
+    let mut found = false;
+    for entry in fs::read_dir("/sys/class/net")? {
+        let entry = entry?;
+        let driver = fs::read_link(entry.path().join("device/driver")).unwrap_or_default();
+        if driver.file_name().is_none_or(|d| d != "virtio_net") {
+            continue;
+        }
+        let name = entry.file_name();
+        let name = name
+            .to_str()
+            .ok_or_else(|| io::Error::other("interface name not UTF-8"))?;
+        sys::set_link_mac(name, mac)?;
+        found = true;
+    }
+    if found {
+        Ok(())
+    } else {
+        Err(io::Error::other("the guest has no virtio_net interface"))
+    }
 }
 
 fn set_clock(time_unix_ns: u64) -> io::Result<()> {

@@ -111,6 +111,32 @@ pub fn set_hostname(name: &str) -> io::Result<()> {
     cvt(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) }).map(drop)
 }
 
+/// Set network interface `name`'s hardware address (SIOCSIFHWADDR).
+pub fn set_link_mac(name: &str, mac: [u8; 6]) -> io::Result<()> {
+    // SAFETY: ifreq is plain old data; all zeroes is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    if name.len() >= req.ifr_name.len() || name.contains('\0') {
+        return Err(io::Error::other(format!("bad interface name {name:?}")));
+    }
+    for (dst, src) in req.ifr_name.iter_mut().zip(name.bytes()) {
+        *dst = libc::c_char::from_ne_bytes([src]);
+    }
+    let mut addr = libc::sockaddr {
+        sa_family: libc::ARPHRD_ETHER,
+        sa_data: [0; 14],
+    };
+    for (dst, src) in addr.sa_data.iter_mut().zip(mac) {
+        *dst = libc::c_char::from_ne_bytes([src]);
+    }
+    req.ifr_ifru.ifru_hwaddr = addr;
+    // SAFETY: a plain socket call; the descriptor is owned below.
+    let fd = cvt(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
+    // SAFETY: `fd` was just opened and is owned by nothing else.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: SIOCSIFHWADDR reads an ifreq, which `req` is and which outlives the call.
+    cvt(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFHWADDR, &req) }).map(drop)
+}
+
 /// SO_RCVTIMEO / SO_SNDTIMEO.
 pub fn set_socket_timeout(fd: RawFd, option: libc::c_int, d: Option<Duration>) -> io::Result<()> {
     let d = d.unwrap_or(Duration::ZERO);

@@ -9,6 +9,9 @@
 //! | `PUT /vm/snapshot`  | `{"path": "/some/dir"}`                               | [`Action::Snapshot`]  |
 //! | `PUT /vm/fork`      | `{"count": N, "name_prefix": "s", "parent": "paused", "overcommit": true}`| [`Action::Fork`]      |
 //! | `PUT /vm/shutdown`  | none                                                  | [`Action::Shutdown`]  |
+//! | `GET /vm/net`       | none                                                  | [`Action::Net`]       |
+//! | `PUT /vm/net/policy`| `{"policy": "allow=192.0.2.0/24:443"}`                | [`Action::NetPolicy`] |
+//! | `PUT /vm/net/expose`| `{"port": 8080, "on": "tcp:127.0.0.1:0"}`             | [`Action::NetExpose`] |
 //!
 //! The routes into the guest (exec and files, through the guest agent) are in [`guest`]:
 //! `POST /vm/exec`, `PUT|GET|DELETE /vm/files`, `GET /vm/files/stat`, `GET /vm/files/list`,
@@ -61,6 +64,16 @@ pub enum Action {
     Fork(crate::fork::ForkRequest),
     /// PUT /vm/shutdown
     Shutdown,
+    /// GET /vm/net: the NIC's network (policy, addresses, counters).
+    Net,
+    /// PUT /vm/net/policy  body {"policy": "none"|"open"|"allow=..."}: the egress policy now.
+    NetPolicy(mayfly_network::Policy),
+    /// PUT /vm/net/expose  body {"port": N, "on": "tcp:ADDR:PORT"|"unix:PATH" (optional,
+    /// default tcp:127.0.0.1:0, a free loopback port)}: guest port N reachable on the host.
+    NetExpose {
+        port: u16,
+        on: mayfly_network::ExposeOn,
+    },
 }
 
 /// What the server serves itself, off the controller's thread: requests that stream (exec,

@@ -668,6 +668,21 @@ const ROUTES: &[Route] = &[
         path: "/vm/shutdown",
         parse: |endpoint, body| no_body(endpoint, body).map(|()| Action::Shutdown),
     },
+    Route {
+        method: "GET",
+        path: "/vm/net",
+        parse: |endpoint, body| no_body(endpoint, body).map(|()| Action::Net),
+    },
+    Route {
+        method: "PUT",
+        path: "/vm/net/policy",
+        parse: parse_net_policy,
+    },
+    Route {
+        method: "PUT",
+        path: "/vm/net/expose",
+        parse: parse_net_expose,
+    },
 ];
 
 fn route_list() -> String {
@@ -809,6 +824,82 @@ fn parse_snapshot(endpoint: &str, body: &[u8]) -> Result<Action, String> {
             kind(other)
         )),
     }
+}
+
+fn parse_net_policy(endpoint: &str, body: &[u8]) -> Result<Action, String> {
+    const EXAMPLE: &str = r#"{"policy": "allow=192.0.2.0/24:443,198.51.100.7"}"#;
+    let object = json_object(endpoint, body, &["policy"], EXAMPLE)?;
+    match object.get("policy") {
+        None | Some(Value::Null) => Err(format!(
+            "{endpoint} needs the field \"policy\" (none, open or allow=CIDR[:PORT],...): send \
+             e.g. {EXAMPLE}"
+        )),
+        Some(Value::String(text)) => text
+            .parse::<mayfly_network::Policy>()
+            .map(Action::NetPolicy)
+            .map_err(|e| format!("the field \"policy\" of {endpoint}: {e}")),
+        Some(other) => Err(format!(
+            "the field \"policy\" of {endpoint} must be a string, not {}",
+            kind(other)
+        )),
+    }
+}
+
+/// Where an exposed port listens on the host, as `tcp:ADDR:PORT` or `unix:PATH`.
+pub fn parse_expose_on(text: &str) -> Result<mayfly_network::ExposeOn, String> {
+    if let Some(addr) = text.strip_prefix("tcp:") {
+        return addr
+            .parse()
+            .map(mayfly_network::ExposeOn::Tcp)
+            .map_err(|_| format!("{:?} is not ADDR:PORT, e.g. tcp:127.0.0.1:8080", clip(text)));
+    }
+    match text.strip_prefix("unix:") {
+        Some(path) if !path.is_empty() && !path.contains('\0') => {
+            Ok(mayfly_network::ExposeOn::Unix(PathBuf::from(path)))
+        }
+        _ => Err(format!(
+            "{:?} is not where to listen: give tcp:ADDR:PORT (port 0: a free one) or unix:PATH",
+            clip(text)
+        )),
+    }
+}
+
+fn parse_net_expose(endpoint: &str, body: &[u8]) -> Result<Action, String> {
+    const EXAMPLE: &str = r#"{"port": 8080, "on": "tcp:127.0.0.1:0"}"#;
+    let object = json_object(endpoint, body, &["port", "on"], EXAMPLE)?;
+    let port = match object.get("port") {
+        None | Some(Value::Null) => {
+            return Err(format!(
+                "{endpoint} needs the field \"port\", the guest's port: send e.g. {EXAMPLE}"
+            ))
+        }
+        Some(value) => value
+            .as_u64()
+            .and_then(|n| u16::try_from(n).ok())
+            .filter(|&n| n != 0)
+            .ok_or_else(|| {
+                format!(
+                    "the field \"port\" of {endpoint} must be a port from 1 to 65535, not {}",
+                    clip_json(value)
+                )
+            })?,
+    };
+    let on = match object.get("on") {
+        None | Some(Value::Null) => mayfly_network::ExposeOn::Tcp(std::net::SocketAddr::from((
+            std::net::Ipv4Addr::LOCALHOST,
+            0,
+        ))),
+        Some(Value::String(text)) => {
+            parse_expose_on(text).map_err(|e| format!("the field \"on\" of {endpoint}: {e}"))?
+        }
+        Some(other) => {
+            return Err(format!(
+                "the field \"on\" of {endpoint} must be a string, not {}",
+                kind(other)
+            ))
+        }
+    };
+    Ok(Action::NetExpose { port, on })
 }
 
 fn parse_fork(endpoint: &str, body: &[u8]) -> Result<Action, String> {

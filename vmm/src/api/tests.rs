@@ -38,6 +38,9 @@ fn answer(action: &Action) -> Reply {
         Action::Snapshot { path } => Reply::ok(json!({ "path": path })),
         Action::Fork(ForkRequest { count: 0, .. }) => Reply::error(400, "count must be at least 1"),
         Action::Fork(ForkRequest { count, .. }) => Reply::ok(json!({ "clones": count })),
+        Action::Net => Reply::ok(json!({"policy": "open"})),
+        Action::NetPolicy(policy) => Reply::ok(json!({ "policy": policy.to_string() })),
+        Action::NetExpose { port, .. } => Reply::ok(json!({ "guest_port": port })),
     }
 }
 
@@ -245,6 +248,41 @@ fn every_action_makes_the_round_trip() {
             }),
             200,
         ),
+        ("GET", "/vm/net", None, Action::Net, 200),
+        (
+            "PUT",
+            "/vm/net/policy",
+            Some(json!({"policy": "allow=192.0.2.0/24:443,198.51.100.7"})),
+            Action::NetPolicy("allow=192.0.2.0/24:443,198.51.100.7".parse().unwrap()),
+            200,
+        ),
+        (
+            "PUT",
+            "/vm/net/policy",
+            Some(json!({"policy": "none"})),
+            Action::NetPolicy(mayfly_network::Policy::None),
+            200,
+        ),
+        (
+            "PUT",
+            "/vm/net/expose",
+            Some(json!({"port": 8080})),
+            Action::NetExpose {
+                port: 8080,
+                on: mayfly_network::ExposeOn::Tcp("127.0.0.1:0".parse().unwrap()),
+            },
+            200,
+        ),
+        (
+            "PUT",
+            "/vm/net/expose",
+            Some(json!({"port": 22, "on": "unix:/tmp/vm-ssh.sock"})),
+            Action::NetExpose {
+                port: 22,
+                on: mayfly_network::ExposeOn::Unix("/tmp/vm-ssh.sock".into()),
+            },
+            200,
+        ),
     ];
     for (method, path, body, action, status) in cases {
         let (got, reply) = f.request(method, path, body);
@@ -253,6 +291,72 @@ fn every_action_makes_the_round_trip() {
         let expected = answer(&action).body.unwrap_or(Value::Null);
         assert_eq!(reply, expected);
     }
+}
+
+#[test]
+fn bad_network_requests_say_what_to_send() {
+    let f = serve("net-bad");
+    let cases = [
+        ("/vm/net/policy", json!({}), "needs the field \"policy\""),
+        ("/vm/net/policy", json!({"policy": 3}), "must be a string"),
+        (
+            "/vm/net/policy",
+            json!({"policy": "closed"}),
+            "use none, open or allow=",
+        ),
+        (
+            "/vm/net/policy",
+            json!({"policy": "allow=10.0.0.0/33"}),
+            "allow",
+        ),
+        (
+            "/vm/net/policy",
+            json!({"policy": "allow=10.0.0.1:70000"}),
+            "out of range",
+        ),
+        (
+            "/vm/net/policy",
+            json!({"policy": "allow="}),
+            "no destination",
+        ),
+        (
+            "/vm/net/policy",
+            json!({"policy": "open", "x": 1}),
+            "unknown field",
+        ),
+        ("/vm/net/expose", json!({}), "needs the field \"port\""),
+        ("/vm/net/expose", json!({"port": 0}), "from 1 to 65535"),
+        ("/vm/net/expose", json!({"port": 65536}), "from 1 to 65535"),
+        ("/vm/net/expose", json!({"port": "80"}), "from 1 to 65535"),
+        (
+            "/vm/net/expose",
+            json!({"port": 80, "on": "127.0.0.1:80"}),
+            "tcp:ADDR:PORT",
+        ),
+        (
+            "/vm/net/expose",
+            json!({"port": 80, "on": "tcp:localhost"}),
+            "ADDR:PORT",
+        ),
+        (
+            "/vm/net/expose",
+            json!({"port": 80, "on": "unix:"}),
+            "unix:PATH",
+        ),
+        (
+            "/vm/net/expose",
+            json!({"port": 80, "on": 5}),
+            "must be a string",
+        ),
+    ];
+    for (path, body, expect) in cases {
+        let message = f.error("PUT", path, Some(body.clone()), 400);
+        assert!(message.contains(expect), "{path} {body}: {message}");
+    }
+    assert!(
+        f.actions.try_recv().is_err(),
+        "a bad request reached the VM"
+    );
 }
 
 #[test]

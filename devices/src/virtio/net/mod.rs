@@ -126,6 +126,10 @@ pub struct NetState {
     pub acked_features: u64,
     /// The link status the guest should end up seeing (VIRTIO_NET_S_LINK_UP or 0).
     pub status: u16,
+    /// The egress policy the host enforces for this NIC, in `--net` syntax (`open`,
+    /// `allow=...`): not the device's own business, but part of what the NIC is, so a restore
+    /// and every clone keep it. The VMM fills it in ([`Net::save`] leaves it empty).
+    pub policy: String,
 }
 
 /// Why a net device could not be created.
@@ -289,6 +293,7 @@ impl Net {
             mac: self.mac,
             acked_features: self.acked_features,
             status,
+            policy: String::new(),
         }
     }
 
@@ -297,6 +302,18 @@ impl Net {
     /// device flaps the guest's link (see the module docs) so it re-learns its neighbours.
     pub fn restore(state: &NetState, tap: OwnedFd) -> Result<Self, NetError> {
         let net = Self::new(tap, state.mac)?;
+        net.restored(state)
+    }
+
+    /// [`Net::restore`] for a clone with a MAC of its own: the config space says `mac` (what a
+    /// later snapshot saves), while the guest keeps the MAC it learnt until told otherwise
+    /// (mayfly's agent sets the new one at the clone's refresh).
+    pub fn restore_with_mac(
+        state: &NetState,
+        tap: OwnedFd,
+        mac: MacAddr,
+    ) -> Result<Self, NetError> {
+        let net = Self::new(tap, mac)?;
         net.restored(state)
     }
 
