@@ -41,6 +41,7 @@ use crate::arch::layout::{GED_GSI, IOAPIC_PINS};
 use crate::disks::{self, DiskSetupError, DiskSpec};
 use crate::event::VmEvent;
 use crate::net::{self, NetSetupError, NetSpec, NetTargets};
+use crate::seccomp::ThreadKind;
 use mayfly_network::VmNetwork;
 
 /// Where virtio MMIO windows start: after the probe device's page, in the gap below 4 GiB.
@@ -522,11 +523,14 @@ impl DeviceManager {
             Concrete::Net(d) => d.clone(),
         };
         let stack = crate::HELPER_THREAD_STACK;
-        let thread = match saved {
-            None => DeviceThread::spawn(name, device, stack),
-            Some(_) => DeviceThread::spawn_paused(name, device, stack),
-        }
-        .map_err(DeviceError::Thread)?;
+        let kind = match &concrete {
+            Concrete::Rng(_) | Concrete::Net(_) => ThreadKind::Device,
+            Concrete::Vsock(_) => ThreadKind::VsockDevice,
+            Concrete::Block(_) => ThreadKind::BlockDevice,
+        };
+        let filter = Box::new(move || crate::seccomp::install(kind).map_err(|e| e.to_string()));
+        let thread = DeviceThread::spawn_with(name, device, stack, saved.is_some(), filter)
+            .map_err(DeviceError::Thread)?;
         let summary = match &concrete {
             Concrete::Rng(_) => Summary::Rng,
             Concrete::Vsock(d) => {

@@ -41,6 +41,7 @@ pub mod machine;
 pub mod memory;
 pub mod net;
 pub mod restore;
+pub mod seccomp;
 pub mod snapshot;
 pub mod trace;
 pub mod vcpu;

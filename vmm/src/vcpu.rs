@@ -353,94 +353,103 @@ fn vcpu_loop(index: u8, mut vcpu: VcpuFd, context: &VcpuContext, control: &VcpuC
     }
     let mut first_run = true;
 
-    let outcome = loop {
-        if !obey_control(&mut vcpu, control) {
-            break None;
-        }
-        if first_run && index == 0 {
-            trace::event("first_kvm_run");
-            first_run = false;
-        }
-        control.activity.enter();
-        let result = vcpu.run();
-        control.activity.exit(match &result {
-            // SAFETY: reading a plain integer field of this thread's kvm_run mapping.
-            Ok(_) => unsafe { (*run_ptr).exit_reason },
-            Err(_) => u32::MAX,
-        });
-        match result {
-            Ok(VcpuExit::IoOut(trace::TRACE_PORT, _)) if context.trace.is_some() => {
-                trace::event("first_instruction");
+    // The filter first: from here on this thread handles what the guest writes.
+    let filtered = crate::seccomp::install(crate::seccomp::ThreadKind::Vcpu);
+    let outcome = match filtered {
+        Err(e) => Some(fatal(&vcpu, index, e.to_string())),
+        Ok(()) => loop {
+            if !obey_control(&mut vcpu, control) {
+                break None;
             }
-            Ok(VcpuExit::IoOut(port, data)) => {
-                context.pio.write(u64::from(port), data);
+            if first_run && index == 0 {
+                trace::event("first_kvm_run");
+                first_run = false;
             }
-            Ok(VcpuExit::IoIn(port, data)) => {
-                context.pio.read(u64::from(port), data);
-            }
-            Ok(VcpuExit::MmioRead(addr, data)) => {
-                context.mmio.read(addr, data);
-            }
-            Ok(VcpuExit::MmioWrite(addr, data)) => {
-                context.mmio.write(addr, data);
-            }
-            Ok(VcpuExit::Shutdown) => {
-                // A triple fault: how a PC resets when nothing else did (Linux's last resort
-                // with reboot=t), or a guest crashing hard. Say which state led there.
-                eprintln!(
-                    "mayfly: vCPU {index}: triple fault, the guest resets\n{}",
-                    dump_registers(&vcpu)
-                );
-                break Some(VmEvent::Power(PowerRequest::Reset));
-            }
-            Ok(VcpuExit::SystemEvent(kind, _)) => match kind {
-                KVM_SYSTEM_EVENT_SHUTDOWN => break Some(VmEvent::Power(PowerRequest::PowerOff)),
-                KVM_SYSTEM_EVENT_RESET => break Some(VmEvent::Power(PowerRequest::Reset)),
-                KVM_SYSTEM_EVENT_CRASH => {
-                    break Some(fatal(&vcpu, index, "the guest reported a crash".into()))
+            control.activity.enter();
+            let result = vcpu.run();
+            control.activity.exit(match &result {
+                // SAFETY: reading a plain integer field of this thread's kvm_run mapping.
+                Ok(_) => unsafe { (*run_ptr).exit_reason },
+                Err(_) => u32::MAX,
+            });
+            match result {
+                Ok(VcpuExit::IoOut(trace::TRACE_PORT, _)) if context.trace.is_some() => {
+                    trace::event("first_instruction");
                 }
-                other => break Some(fatal(&vcpu, index, format!("unknown system event {other}"))),
-            },
-            Ok(VcpuExit::Debug(debug)) => {
-                if let Some(bps) = &mut breakpoints {
-                    bps.hit(debug.dr6);
-                    if bps.remaining() {
-                        arm_breakpoints(&vcpu, bps);
-                    } else {
-                        disarm_breakpoints(&vcpu);
-                        breakpoints = None;
+                Ok(VcpuExit::IoOut(port, data)) => {
+                    context.pio.write(u64::from(port), data);
+                }
+                Ok(VcpuExit::IoIn(port, data)) => {
+                    context.pio.read(u64::from(port), data);
+                }
+                Ok(VcpuExit::MmioRead(addr, data)) => {
+                    context.mmio.read(addr, data);
+                }
+                Ok(VcpuExit::MmioWrite(addr, data)) => {
+                    context.mmio.write(addr, data);
+                }
+                Ok(VcpuExit::Shutdown) => {
+                    // A triple fault: how a PC resets when nothing else did (Linux's last resort
+                    // with reboot=t), or a guest crashing hard. Say which state led there.
+                    eprintln!(
+                        "mayfly: vCPU {index}: triple fault, the guest resets\n{}",
+                        dump_registers(&vcpu)
+                    );
+                    break Some(VmEvent::Power(PowerRequest::Reset));
+                }
+                Ok(VcpuExit::SystemEvent(kind, _)) => match kind {
+                    KVM_SYSTEM_EVENT_SHUTDOWN => {
+                        break Some(VmEvent::Power(PowerRequest::PowerOff))
+                    }
+                    KVM_SYSTEM_EVENT_RESET => break Some(VmEvent::Power(PowerRequest::Reset)),
+                    KVM_SYSTEM_EVENT_CRASH => {
+                        break Some(fatal(&vcpu, index, "the guest reported a crash".into()))
+                    }
+                    other => {
+                        break Some(fatal(&vcpu, index, format!("unknown system event {other}")))
+                    }
+                },
+                Ok(VcpuExit::Debug(debug)) => {
+                    if let Some(bps) = &mut breakpoints {
+                        bps.hit(debug.dr6);
+                        if bps.remaining() {
+                            arm_breakpoints(&vcpu, bps);
+                        } else {
+                            disarm_breakpoints(&vcpu);
+                            breakpoints = None;
+                        }
                     }
                 }
-            }
-            Ok(VcpuExit::FailEntry(reason, cpu)) => {
-                break Some(fatal(
-                    &vcpu,
-                    index,
-                    format!(
+                Ok(VcpuExit::FailEntry(reason, cpu)) => {
+                    break Some(fatal(
+                        &vcpu,
+                        index,
+                        format!(
                     "KVM could not enter the guest (hardware reason {reason:#x}, host cpu {cpu})"
                 ),
-                ))
+                    ))
+                }
+                Ok(VcpuExit::InternalError) => {
+                    let suberror = vcpu.get_kvm_run();
+                    // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, so the union holds
+                    // `internal`.
+                    let code = unsafe { suberror.__bindgen_anon_1.internal.suberror };
+                    break Some(fatal(
+                        &vcpu,
+                        index,
+                        format!("KVM internal error, suberror {code}"),
+                    ));
+                }
+                Ok(other) => {
+                    let what = format!("unexpected exit {other:?}");
+                    break Some(fatal(&vcpu, index, what));
+                }
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                    vcpu.set_kvm_immediate_exit(0);
+                }
+                Err(e) => break Some(fatal(&vcpu, index, format!("KVM_RUN failed: {e}"))),
             }
-            Ok(VcpuExit::InternalError) => {
-                let suberror = vcpu.get_kvm_run();
-                // SAFETY: the exit reason is KVM_EXIT_INTERNAL_ERROR, so the union holds
-                // `internal`.
-                let code = unsafe { suberror.__bindgen_anon_1.internal.suberror };
-                break Some(fatal(
-                    &vcpu,
-                    index,
-                    format!("KVM internal error, suberror {code}"),
-                ));
-            }
-            Ok(other) => {
-                let what = format!("unexpected exit {other:?}");
-                break Some(fatal(&vcpu, index, what));
-            }
-            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
-                vcpu.set_kvm_immediate_exit(0);
-            }
-            Err(e) => break Some(fatal(&vcpu, index, format!("KVM_RUN failed: {e}"))),
-        }
+        },
     };
 
     KVM_RUN.with(|r| r.set(std::ptr::null_mut()));

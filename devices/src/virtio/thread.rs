@@ -113,6 +113,9 @@ impl MutEventSubscriber for Kick {
     }
 }
 
+/// What a device thread runs first (see [`DeviceThread::spawn_with`]).
+pub type Prelude = Box<dyn FnOnce() -> Result<(), String> + Send>;
+
 /// A device's thread: its event loop behind a [`Gate`].
 pub struct DeviceThread {
     name: String,
@@ -131,7 +134,20 @@ impl DeviceThread {
         device: Arc<Mutex<dyn MutEventSubscriber + Send>>,
         stack_size: usize,
     ) -> std::io::Result<Self> {
-        Self::spawn_gated(name, device, stack_size, false)
+        Self::spawn_gated(name, device, stack_size, false, None)
+    }
+
+    /// [`DeviceThread::spawn`] (held at its gate if `paused`, as [`DeviceThread::spawn_paused`]),
+    /// with `prelude` run first on the new thread, before it looks at any queue: the VMM's
+    /// seccomp filter for the device. If it fails, the thread ends and so does the spawn.
+    pub fn spawn_with(
+        name: &str,
+        device: Arc<Mutex<dyn MutEventSubscriber + Send>>,
+        stack_size: usize,
+        paused: bool,
+        prelude: Prelude,
+    ) -> std::io::Result<Self> {
+        Self::spawn_gated(name, device, stack_size, paused, Some(prelude))
     }
 
     /// [`DeviceThread::spawn`], the thread held at its gate until [`DeviceThread::resume`]:
@@ -142,7 +158,7 @@ impl DeviceThread {
         device: Arc<Mutex<dyn MutEventSubscriber + Send>>,
         stack_size: usize,
     ) -> std::io::Result<Self> {
-        Self::spawn_gated(name, device, stack_size, true)
+        Self::spawn_gated(name, device, stack_size, true, None)
     }
 
     fn spawn_gated(
@@ -150,6 +166,7 @@ impl DeviceThread {
         device: Arc<Mutex<dyn MutEventSubscriber + Send>>,
         stack_size: usize,
         paused: bool,
+        prelude: Option<Prelude>,
     ) -> std::io::Result<Self> {
         let kick = EventFd::new(libc::EFD_NONBLOCK)?;
         let thread_kick = kick.try_clone()?;
@@ -162,15 +179,35 @@ impl DeviceThread {
             EventManager::new().map_err(|e| std::io::Error::other(e.to_string()))?;
         manager.add_subscriber(device);
         manager.add_subscriber(Arc::new(Mutex::new(Kick(thread_kick))));
+        let (started, ready) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
             .name(name.to_string())
             .stack_size(stack_size)
             .spawn(move || {
+                let prelude = prelude.map_or(Ok(()), |run| run());
+                let failed = prelude.is_err();
+                let _ = started.send(prelude);
+                if failed {
+                    return;
+                }
                 while thread_gate.pass() {
                     // A failed epoll_wait (EINTR) is retried; nothing else can fail here.
                     let _ = manager.run();
                 }
             })?;
+        match ready.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(reason)) => {
+                let _ = thread.join();
+                return Err(std::io::Error::other(reason));
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(std::io::Error::other(
+                    "the device thread ended as it started",
+                ));
+            }
+        }
         Ok(Self {
             name: name.to_string(),
             gate,
