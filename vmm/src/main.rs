@@ -745,13 +745,11 @@ impl StopSignals {
                     continue;
                 }
                 let sink = thread_sink.lock().unwrap_or_else(|p| p.into_inner());
+                const CUT: &str = "another process is opening the VM's memory file for writing \
+                    or truncating it; the VM stops rather than run on memory that changes under \
+                    it (restore with --memory eager to copy the memory instead)";
                 let event = if sig == lease {
-                    VmEvent::MemoryFailed(
-                        "another process is opening the VM's memory file for writing or \
-                         truncating it; the VM stops rather than run on memory that changes \
-                         under it (restore with --memory eager to copy the memory instead)"
-                            .into(),
-                    )
+                    VmEvent::MemoryFailed(CUT.into())
                 } else {
                     VmEvent::Signal(sig)
                 };
@@ -762,6 +760,13 @@ impl StopSignals {
                         }
                     }
                     None if sig == libc::SIGUSR1 => {}
+                    // The vCPUs may already run while the start finishes (the controller is
+                    // not told signals yet): the memory file is as cut as it is later.
+                    None if sig == lease => {
+                        mayfly_vmm::console::restore_terminal();
+                        eprintln!("mayfly: {CUT}");
+                        std::process::exit(1);
+                    }
                     None => {
                         mayfly_vmm::console::restore_terminal();
                         eprintln!("mayfly: stopped by signal {sig} before the VM started");
