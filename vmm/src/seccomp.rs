@@ -18,7 +18,8 @@
 //! without stopping a VM. `MAYFLY_SECCOMP=off` installs none.
 //!
 //! Arguments are checked where it matters: a vCPU thread may only issue KVM ioctls (type
-//! 0xAE) and no others; a device thread no ioctl at all.
+//! 0xAE) and FIONBIO; the vsock thread FIONBIO only (std's set_nonblocking); the other device
+//! threads no ioctl at all.
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
@@ -173,18 +174,38 @@ fn build(kind: ThreadKind, mode: Mode) -> Result<BpfProgram, SeccompError> {
     for &call in COMMON.iter().chain(extra) {
         rules.insert(call, Vec::new());
     }
-    if kind == ThreadKind::Vcpu {
-        let kvm_only = SeccompCondition::new(
+    // std's set_nonblocking is ioctl(FIONBIO): the vsock device sets every host connection
+    // non-blocking as it makes or accepts it.
+    let fionbio = || {
+        SeccompCondition::new(
             1,
             SeccompCmpArgLen::Dword,
-            SeccompCmpOp::MaskedEq(0xff00),
-            KVMIO << 8,
+            SeccompCmpOp::Eq,
+            u64::from(u32::try_from(libc::FIONBIO).unwrap_or(u32::MAX)),
         )
-        .map_err(fail)?;
-        rules.insert(
-            libc::SYS_ioctl,
-            vec![SeccompRule::new(vec![kvm_only]).map_err(fail)?],
-        );
+        .and_then(|c| SeccompRule::new(vec![c]))
+    };
+    match kind {
+        ThreadKind::Vcpu => {
+            let kvm_only = SeccompCondition::new(
+                1,
+                SeccompCmpArgLen::Dword,
+                SeccompCmpOp::MaskedEq(0xff00),
+                KVMIO << 8,
+            )
+            .map_err(fail)?;
+            rules.insert(
+                libc::SYS_ioctl,
+                vec![
+                    SeccompRule::new(vec![kvm_only]).map_err(fail)?,
+                    fionbio().map_err(fail)?,
+                ],
+            );
+        }
+        ThreadKind::VsockDevice => {
+            rules.insert(libc::SYS_ioctl, vec![fionbio().map_err(fail)?]);
+        }
+        ThreadKind::Device | ThreadKind::BlockDevice => {}
     }
     let mismatch = match mode {
         Mode::Enforce | Mode::Off => SeccompAction::Trap,
