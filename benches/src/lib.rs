@@ -214,6 +214,39 @@ impl Machine {
     }
 }
 
+/// microvm's own firmware, from Debian's qemu-system-data. qboot loads a `-kernel` itself;
+/// QEMU 10's default microvm firmware, SeaBIOS, needs the option ROMs these baselines turn off
+/// to boot one ("No bootable device").
+pub const QBOOT: &str = "/usr/share/qemu/qboot.rom";
+
+/// QEMU's microvm machine as a benchmark's baseline: qboot, KVM, one vCPU, `mem_mib` of RAM, no
+/// default devices, the serial console on stdio; the caller adds devices, kernel and command
+/// line. `acpi_off`: no ACPI tables, so QEMU lists its virtio-mmio devices on the kernel
+/// command line (`virtio_mmio.device=`). None, said on stderr, when qboot is missing.
+pub fn qemu_microvm(bench: &str, mem_mib: u64, acpi_off: bool) -> Option<std::process::Command> {
+    if !std::path::Path::new(QBOOT).exists() {
+        eprintln!(
+            "{bench} bench: {QBOOT} is missing, so no QEMU baseline: install qemu-system-data \
+             (scripts/setup.sh does)"
+        );
+        return None;
+    }
+    let machine = if acpi_off {
+        "microvm,x-option-roms=off,rtc=off,isa-serial=on,acpi=off"
+    } else {
+        "microvm,x-option-roms=off,rtc=off,isa-serial=on"
+    };
+    let mut command = std::process::Command::new("qemu-system-x86_64");
+    command
+        .args(["-M", machine])
+        .args(["-bios", QBOOT])
+        .args(["-enable-kvm", "-cpu", "host", "-smp", "1"])
+        .args(["-m", &mem_mib.to_string()])
+        .args(["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"])
+        .args(["-serial", "stdio"]);
+    Some(command)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

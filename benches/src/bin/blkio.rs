@@ -26,17 +26,14 @@
 )]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use mayfly_benches::{emit_report, Machine, Stats};
+use mayfly_benches::{emit_report, qemu_microvm, Machine, Stats};
 use mayfly_tests::agent::wait_agent;
 use mayfly_tests::guest::{Guest, TestDir};
 use serde::Serialize;
 
-/// microvm's own firmware (see the boot benchmark).
-const QBOOT: &str = "/usr/share/qemu/qboot.rom";
 /// The guest program: `io.py DEVICE MODE MIB SECONDS` prints one number (MiB/s or IOPS).
 const IO_PY: &str = r#"import mmap, os, random, sys, time
 dev, mode, mib, secs = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
@@ -217,10 +214,6 @@ fn run_mayfly(args: &Args, image: &Path, dir: &TestDir) -> VmmReport {
 }
 
 fn run_qemu(args: &Args, image: &Path, dir: &TestDir) -> Option<VmmReport> {
-    if !Path::new(QBOOT).exists() {
-        eprintln!("blkio bench: {QBOOT} is missing, so no QEMU baseline");
-        return None;
-    }
     let (Some(kernel), Some(_)) = (
         mayfly_vmm::default_guest::DEFAULT_KERNEL,
         mayfly_vmm::default_guest::DEFAULT_INITRAMFS,
@@ -233,18 +226,8 @@ fn run_qemu(args: &Args, image: &Path, dir: &TestDir) -> Option<VmmReport> {
     let scratch = dir.join("scratch-qemu.img");
     scratch_image(&scratch, args.disk_mib);
     eprintln!("blkio bench: QEMU baseline");
-    let mut command = Command::new("qemu-system-x86_64");
+    let mut command = qemu_microvm("blkio", args.mem_mib, true)?;
     command
-        .args([
-            "-M",
-            "microvm,x-option-roms=off,rtc=off,isa-serial=on,acpi=off",
-        ])
-        .arg("-bios")
-        .arg(QBOOT)
-        .args(["-enable-kvm", "-cpu", "host", "-smp", "1"])
-        .args(["-m", &args.mem_mib.to_string()])
-        .args(["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"])
-        .args(["-serial", "stdio"])
         // The template read-only under a throwaway overlay (snapshot=on), as mayfly's base
         // under its layer; the scratch disk raw, written in place.
         .arg("-drive")

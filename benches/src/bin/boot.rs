@@ -19,14 +19,13 @@
 )]
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
 use mayfly_benches::ms_between as ms;
 use mayfly_benches::{
-    emit_report, monotonic_ns, smaps_memory, trace_events, Machine, MemoryUse, Stats,
+    emit_report, monotonic_ns, qemu_microvm, smaps_memory, trace_events, Machine, MemoryUse, Stats,
 };
 use mayfly_tests::guest::{guest_artifact, mayfly_bin, Guest};
 use mayfly_vmm::config::DEFAULT_CMDLINE;
@@ -119,40 +118,13 @@ fn uptime_of(line: &str) -> Option<f64> {
         .and_then(|v| v.trim_end_matches('s').parse().ok())
 }
 
-/// microvm's own firmware, from Debian's qemu-system-data.
-const QBOOT: &str = "/usr/share/qemu/qboot.rom";
-
 /// QEMU's microvm machine booting the same kernel and initramfs: launch to readiness line.
 fn boot_qemu(mem_mib: u64) -> Option<(f64, Option<f64>)> {
     let kernel = guest_artifact("kernel/microvm.current/vmlinux");
     let initrd = guest_artifact("rootfs/guest.current/initramfs.cpio");
-    // qboot, microvm's minimal firmware, loads the kernel itself. QEMU 10's default microvm
-    // firmware is SeaBIOS, which needs the option ROMs this baseline turns off to boot a
-    // -kernel ("No bootable device").
-    let qboot = Path::new(QBOOT);
-    if !qboot.exists() {
-        eprintln!(
-            "boot bench: {QBOOT} is missing, so no QEMU baseline: install qemu-system-data \
-             (scripts/setup.sh does)"
-        );
-        return None;
-    }
     let launch = monotonic_ns();
-    let mut command = Command::new("qemu-system-x86_64");
+    let mut command = qemu_microvm("boot", mem_mib, false)?;
     command
-        .args(["-M", "microvm,x-option-roms=off,rtc=off,isa-serial=on"])
-        .arg("-bios")
-        .arg(qboot)
-        .args(["-enable-kvm", "-cpu", "host", "-smp", "1"])
-        .args(["-m", &mem_mib.to_string()])
-        .args([
-            "-nodefaults",
-            "-no-user-config",
-            "-nographic",
-            "-no-reboot",
-            "-serial",
-            "stdio",
-        ])
         .arg("-kernel")
         .arg(&kernel)
         .arg("-initrd")

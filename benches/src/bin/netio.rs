@@ -36,7 +36,7 @@ use std::sync::mpsc::{channel, Receiver};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use mayfly_benches::{emit_report, Machine, Stats};
+use mayfly_benches::{emit_report, qemu_microvm, Machine, Stats};
 use mayfly_network::{Network, NetworkConfig, Policy, Uplink, VmNetwork};
 use mayfly_tests::guest::{Guest, TestDir};
 use mayfly_vmm::config::DEFAULT_CMDLINE;
@@ -45,8 +45,6 @@ use serde::Serialize;
 const SERVER: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const SINK_PORT: u16 = 5001;
 const SOURCE_PORT: u16 = 5002;
-/// microvm's own firmware (see the boot benchmark).
-const QBOOT: &str = "/usr/share/qemu/qboot.rom";
 
 #[derive(Parser)]
 #[command(about = "Benchmark guest TCP throughput and round trips: mayfly's virtio-net vs QEMU's")]
@@ -260,10 +258,6 @@ fn measure(
 
 /// QEMU's microvm on the tap of `network`, with its MAC and the same guest.
 fn start_qemu(network: &mut VmNetwork, mem_mib: u64, dir: &TestDir) -> Option<Guest> {
-    if !std::path::Path::new(QBOOT).exists() {
-        eprintln!("netio bench: {QBOOT} is missing, so no QEMU baseline (scripts/setup.sh installs qemu-system-data)");
-        return None;
-    }
     let tap: OwnedFd = network.take_tap().expect("the network's tap");
     let mac = mayfly_vmm::net::mac_text(network.guest().mac);
     let cmdline = format!(
@@ -281,26 +275,10 @@ fn start_qemu(network: &mut VmNetwork, mem_mib: u64, dir: &TestDir) -> Option<Gu
     let (kernel_path, initramfs_path) = (dir.join("vmlinux"), dir.join("initramfs.cpio"));
     std::fs::write(&kernel_path, kernel).expect("write the guest kernel");
     std::fs::write(&initramfs_path, initramfs).expect("write the guest initramfs");
-    let mut command = Command::new("qemu-system-x86_64");
+    // acpi=off: the devices are then on the kernel command line (virtio_mmio.device=),
+    // which QEMU writes itself; the guest is told acpi=off too.
+    let mut command = qemu_microvm("netio", mem_mib, true)?;
     command
-        // acpi=off: the devices are then on the kernel command line (virtio_mmio.device=),
-        // which QEMU writes itself; the guest is told acpi=off too.
-        .args([
-            "-M",
-            "microvm,x-option-roms=off,rtc=off,isa-serial=on,acpi=off",
-        ])
-        .arg("-bios")
-        .arg(QBOOT)
-        .args(["-enable-kvm", "-cpu", "host", "-smp", "1"])
-        .args(["-m", &mem_mib.to_string()])
-        .args([
-            "-nodefaults",
-            "-no-user-config",
-            "-nographic",
-            "-no-reboot",
-            "-serial",
-            "stdio",
-        ])
         .args(["-netdev", "tap,id=n0,fd=3,vhost=off"])
         .args(["-device", &format!("virtio-net-device,netdev=n0,mac={mac}")])
         .arg("-kernel")
