@@ -67,6 +67,20 @@ pub fn mayfly_output(args: &[&str], timeout: Duration) -> std::process::Output {
     child.wait_with_output().expect("collect mayfly's output")
 }
 
+/// How long a client command (`mayfly snapshot`, `fork`, `net`, ...) may take in [`mayfly_ok`].
+pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// Run a mayfly client command that must succeed (within [`CLIENT_TIMEOUT`]); its stdout.
+pub fn mayfly_ok(args: &[&str]) -> String {
+    let out = mayfly_output(args, CLIENT_TIMEOUT);
+    assert!(
+        out.status.success(),
+        "mayfly {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// One request to a VM's control socket that must get an answer (within 60 s): its status and
 /// JSON body.
 pub fn request(

@@ -8,11 +8,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use mayfly_tests::agent::{exec_request, sh, wait_agent};
-use mayfly_tests::guest::{mayfly_output, Guest, TestDir, BOOT_TIMEOUT};
+use mayfly_tests::guest::{mayfly_ok, mayfly_output, Guest, TestDir, BOOT_TIMEOUT, CLIENT_TIMEOUT};
 use mayfly_vmm::agent::protocol::{ExecRequest, WriteFileOptions};
 
 const EXIT_TIMEOUT: Duration = Duration::from_secs(60);
-const CLIENT_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// Boot the default guest named `name` with a control socket in `dir`; returns once its agent
 /// answers.
@@ -29,16 +28,6 @@ fn boot(dir: &TestDir, name: &str) -> (Guest, PathBuf) {
     ]);
     wait_agent(&sock, BOOT_TIMEOUT);
     (guest, sock)
-}
-
-fn mayfly_ok(args: &[&str]) -> String {
-    let out = mayfly_output(args, CLIENT_TIMEOUT);
-    assert!(
-        out.status.success(),
-        "mayfly {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn sha256_local(data: &[u8]) -> String {

@@ -9,10 +9,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use mayfly_tests::agent::{sh, wait_agent};
-use mayfly_tests::guest::{cache_dir, mayfly_output, Guest, TestDir, BOOT_TIMEOUT};
+use mayfly_tests::guest::{cache_dir, mayfly_ok, Guest, TestDir, BOOT_TIMEOUT};
 
 const EXIT_TIMEOUT: Duration = Duration::from_secs(60);
-const CLIENT_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// The Debian image: the test fails (it does not skip) when it is not built.
 fn debian_image() -> PathBuf {
@@ -35,16 +34,6 @@ fn base_stamp() -> (u64, i64, i64, i64, i64) {
         meta.ctime(),
         meta.ctime_nsec(),
     )
-}
-
-fn mayfly_ok(args: &[&str]) -> String {
-    let out = mayfly_output(args, CLIENT_TIMEOUT);
-    assert!(
-        out.status.success(),
-        "mayfly {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Boot the Debian disk as `name`, with `extra` arguments; returns once its agent answers.

@@ -19,14 +19,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use mayfly_tests::agent::{exec_request, sh, wait_agent};
-use mayfly_tests::guest::{mayfly_output, request, Guest, TestDir, BOOT_TIMEOUT};
+use mayfly_tests::guest::{mayfly_ok, request, Guest, TestDir, BOOT_TIMEOUT};
 use mayfly_vmm::agent::protocol::ExecRequest;
 
 /// The "internet", inside the uplink namespace.
 const SERVER: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const OTHER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const PORT: u16 = 8080;
-const CLIENT_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// A network namespace of this test's own, holding the servers VMs may or may not reach.
 struct Uplink {
@@ -156,16 +155,6 @@ impl Server {
         let bytes = conns[n].1.lock().unwrap().clone();
         String::from_utf8_lossy(&bytes).into_owned()
     }
-}
-
-fn mayfly_ok(args: &[&str]) -> String {
-    let out = mayfly_output(args, CLIENT_TIMEOUT);
-    assert!(
-        out.status.success(),
-        "mayfly {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Boot the default guest with `--net net` in `dir`, its network made under `dir` and going
