@@ -95,16 +95,10 @@ impl Uplink {
     /// A TCP server at `ip:PORT` in this namespace: it answers each connection with the
     /// client's address (as it sees it) and records what the client sent.
     fn server(&self, ip: Ipv4Addr) -> Server {
-        let fd = self.ns.as_raw_fd();
-        let listener = std::thread::scope(|s| {
-            s.spawn(|| {
-                // SAFETY: setns on this scoped thread only; the listener keeps the namespace.
-                assert_eq!(unsafe { libc::setns(fd, libc::CLONE_NEWNET) }, 0);
-                TcpListener::bind((ip, PORT)).unwrap()
-            })
-            .join()
+        // The listener keeps the namespace it was made in.
+        let listener = mayfly_network::run_in(&self.ns, || TcpListener::bind((ip, PORT)))
             .unwrap()
-        });
+            .unwrap();
         let conns: Conns = Arc::default();
         let seen = conns.clone();
         std::thread::spawn(move || {

@@ -133,16 +133,10 @@ fn uplink_path(ns: &File) -> String {
 
 /// Listeners bound inside `ns`.
 fn listen_in(ns: &File, port: u16) -> TcpListener {
-    let fd = ns.as_raw_fd();
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            // SAFETY: setns on this scoped thread only; the listener keeps its namespace.
-            assert_eq!(unsafe { libc::setns(fd, libc::CLONE_NEWNET) }, 0);
-            TcpListener::bind((SERVER, port)).expect("bind a server")
-        })
-        .join()
-        .expect("the bind thread")
-    })
+    // The listener keeps the namespace it was made in.
+    mayfly_network::run_in(ns, || TcpListener::bind((SERVER, port)))
+        .expect("enter the uplink namespace")
+        .expect("bind a server")
 }
 
 /// The sink: each connection's MiB/s, from its accept to its `bytes`th byte.
