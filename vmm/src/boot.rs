@@ -63,6 +63,8 @@ pub enum BootError {
     Api(#[from] crate::api::ApiError),
     #[error(transparent)]
     Identity(#[from] IdentityError),
+    #[error(transparent)]
+    Jail(#[from] crate::jail::JailError),
 }
 
 impl From<BootError> for Error {
@@ -216,6 +218,8 @@ pub fn boot(config: &RunConfig) -> Result<Controller, BootError> {
         events: event_sender,
         trace: breakpoints,
     };
+    // A jailed VMM is shut into its root now, before any guest code runs.
+    crate::jail::lock_down(&m.devices.jail_needs(None))?;
     m.vm.start_vcpus(vcpu_fds, context, false)
         .map_err(BootError::Thread)?;
     console::connect_input(

@@ -22,6 +22,20 @@ use crate::machine::Machine;
 const NO_NIC: &str =
     "the VM has no NIC (it was started with --net none): boot it with --net open or --net allow=...";
 
+/// What a jailed VM answers to a snapshot outside what its jail shares.
+const JAILED_SNAPSHOT: &str = "the VM is jailed: it can write only under the directories its \
+    jail shares (--jail-share DIR, at the same path): snapshot into one of them (see \
+    \"jail\" in GET /vm)";
+/// What a jailed VM answers to a fork.
+const JAILED_FORK: &str = "a jailed VM cannot be forked yet (each clone needs a jail of its own, \
+    made outside this one): snapshot it into a shared directory and restore that snapshot \
+    jailed, once per clone";
+
+/// Whether this VMM can write a snapshot at `path`: anywhere unless it is jailed.
+fn jail_can_write(path: &Path) -> bool {
+    crate::jail::current().is_none_or(|jail| jail.can_write(path))
+}
+
 pub struct Controller {
     /// The control socket, when the VM has one. Dropped first: no request outlives the VM.
     pub api: Option<ApiServer>,
@@ -166,6 +180,9 @@ impl Controller {
                 ),
                 None,
             ),
+            Action::Snapshot { path } if !jail_can_write(&path) => {
+                (Reply::error(400, JAILED_SNAPSHOT), None)
+            }
             Action::Snapshot { path } => match crate::snapshot::create(&self.machine, &path) {
                 Ok(report) => (
                     Reply::ok(serde_json::to_value(report).unwrap_or_default()),
@@ -173,6 +190,9 @@ impl Controller {
                 ),
                 Err(e) => (Reply::error(e.http_status(), e.to_string()), None),
             },
+            Action::Fork(_) if crate::jail::current().is_some() => {
+                (Reply::error(409, JAILED_FORK), None)
+            }
             Action::Fork(request) => {
                 let dir = self
                     .api
@@ -249,7 +269,8 @@ impl Controller {
             "mem_mib": m.ram.size() >> 20,
             "cmdline": m.info.cmdline,
             "uptime_ms": u64::try_from(m.info.started.elapsed().as_millis()).unwrap_or(u64::MAX),
-            "pid": std::process::id(),
+            "pid": crate::jail::host_pid(),
+            "jail": crate::jail::current().map(crate::jail::Jail::describe),
             "agent_refresh": self.refresh.word(),
             "vsock": vsock.as_ref().map(|(path, cid)| serde_json::json!({
                 "path": path,

@@ -13,7 +13,7 @@
 //! - Each device saves and restores itself beside its own code (`Persist`-style `save` /
 //!   `restore` in `mayfly_devices`); this module only collects and dispatches.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 
@@ -671,6 +671,36 @@ impl DeviceManager {
             Summary::Vsock { path, cid } => Some((path.clone(), *cid)),
             _ => None,
         })
+    }
+
+    /// What of the host the VM still opens by path once it runs, for its jail: its disk
+    /// directory (new layers at each snapshot), the directory of its vsock socket (the guest's
+    /// connections to `<socket>_<port>`), and a console-input FIFO.
+    pub fn jail_needs(&self, console_input: Option<&Path>) -> Vec<crate::jail::Share> {
+        let mut needs = Vec::new();
+        if let Some(dir) = &self.disk_dir {
+            needs.push(crate::jail::Share {
+                path: std::path::absolute(dir).unwrap_or(dir.clone()),
+                writable: true,
+            });
+        }
+        if let Some(dir) = self
+            .vsock()
+            .and_then(|(path, _)| path)
+            .and_then(|p| p.parent().map(Path::to_path_buf))
+        {
+            needs.push(crate::jail::Share {
+                path: std::path::absolute(&dir).unwrap_or(dir),
+                writable: false,
+            });
+        }
+        if let Some(fifo) = console_input {
+            needs.push(crate::jail::Share {
+                path: std::path::absolute(fifo).unwrap_or(fifo.to_path_buf()),
+                writable: false,
+            });
+        }
+        needs
     }
 
     /// The VM's network (its NIC's namespace, policy, counters), if it has a NIC.

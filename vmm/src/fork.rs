@@ -299,7 +299,7 @@ fn pids_cgroups() -> Vec<(PathBuf, PathBuf)> {
 
 /// A path from /proc/self/mountinfo, whose spaces, tabs, newlines and backslashes are
 /// written as octal escapes.
-fn unescape(field: &str) -> String {
+pub(crate) fn unescape(field: &str) -> String {
     let bytes = field.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;

@@ -35,6 +35,7 @@ pub mod disks;
 pub mod event;
 pub mod fork;
 pub mod identity;
+pub mod jail;
 pub mod kernel;
 pub mod lazy;
 pub mod machine;

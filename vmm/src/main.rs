@@ -193,6 +193,8 @@ struct RestoreArgs {
     net: Option<String>,
     #[command(flatten)]
     net_place: NetPlaceArgs,
+    #[command(flatten)]
+    jail: JailArgs,
 }
 
 #[derive(Args)]
@@ -239,6 +241,69 @@ impl NetPlaceArgs {
             dns: self.net_dns,
         }
     }
+}
+
+/// Whether and how to jail the VMM (see vmm/src/jail.rs).
+#[derive(Args)]
+struct JailArgs {
+    /// Run the VMM jailed: in mount, PID, network, IPC and UTS namespaces and a cgroup v2 of
+    /// its own, and, before the guest runs, shut into an empty root holding only what the VM
+    /// still opens (its disk directory, its vsock socket's directory, --jail-share
+    /// directories), as --jail-uid with no capabilities. Needs root. A jailed VM has no NIC
+    /// and cannot be forked yet.
+    #[arg(long)]
+    jail: bool,
+    /// Where the jail's directory is made (removed when the VMM ends).
+    #[arg(long, value_name = "DIR", default_value = mayfly_vmm::jail::DEFAULT_DIR, requires = "jail")]
+    jail_dir: PathBuf,
+    /// The uid the jailed VMM runs as.
+    #[arg(long, value_name = "UID", default_value_t = mayfly_vmm::jail::DEFAULT_ID, requires = "jail")]
+    jail_uid: u32,
+    /// The gid the jailed VMM runs as.
+    #[arg(long, value_name = "GID", default_value_t = mayfly_vmm::jail::DEFAULT_ID, requires = "jail")]
+    jail_gid: u32,
+    /// A directory the jailed VMM sees at the same path and may write (where its snapshots
+    /// go; --jail-uid must be able to write it). Repeat for more.
+    #[arg(long = "jail-share", value_name = "DIR", requires = "jail")]
+    jail_share: Vec<PathBuf>,
+    /// The jail cgroup's memory.max, in MiB (guest RAM the VMM touched counts).
+    #[arg(long, value_name = "MIB", requires = "jail")]
+    jail_memory_mib: Option<u64>,
+    /// The jail cgroup's cpu.max, in CPUs (0.5: half a CPU's time).
+    #[arg(long, value_name = "CPUS", requires = "jail")]
+    jail_cpus: Option<f64>,
+    /// The jail cgroup's pids.max (default 256 where the pids controller is available).
+    #[arg(long, value_name = "N", requires = "jail")]
+    jail_pids: Option<u64>,
+}
+
+impl JailArgs {
+    fn config(&self) -> Option<mayfly_vmm::jail::JailConfig> {
+        self.jail.then(|| mayfly_vmm::jail::JailConfig {
+            dir: self.jail_dir.clone(),
+            uid: self.jail_uid,
+            gid: self.jail_gid,
+            share: self.jail_share.clone(),
+            memory_mib: self.jail_memory_mib,
+            cpus: self.jail_cpus,
+            pids: self.jail_pids,
+        })
+    }
+}
+
+/// Enter the jail if asked (see vmm/src/jail.rs): returns in the jailed VMM, or with the
+/// error that kept it from being made; the process that called it waits outside and exits
+/// with the VMM's status.
+fn enter_jail(
+    jail: Option<mayfly_vmm::jail::JailConfig>,
+    name: &str,
+    sockets: &[Option<&Path>],
+) -> Result<(), ExitCode> {
+    let Some(config) = jail else {
+        return Ok(());
+    };
+    let sockets = sockets.iter().flatten().map(|p| p.to_path_buf()).collect();
+    mayfly_vmm::jail::enter(config, name, sockets).map_err(fail)
 }
 
 /// A VM's file as given, or beside its control socket: `<api-sock><suffix>` (the vsock
@@ -323,6 +388,8 @@ struct RunArgs {
     net: String,
     #[command(flatten)]
     net_place: NetPlaceArgs,
+    #[command(flatten)]
+    jail: JailArgs,
 }
 
 impl RunArgs {
@@ -436,8 +503,8 @@ fn main() -> ExitCode {
         raise_descriptor_limit();
     }
     match cli.command {
-        Command::Run(args) => with_stop_signals(None, |signals| run(args, signals)),
-        Command::Restore(args) => with_stop_signals(None, |signals| restore(args, signals)),
+        Command::Run(args) => run(args),
+        Command::Restore(args) => restore(args),
         Command::Pause(args) => client(&args.sock, "PUT", "/vm/pause", None),
         Command::Resume(args) => client(&args.sock, "PUT", "/vm/resume", None),
         Command::Status(args) => client(&args.sock, "GET", "/vm", None),
@@ -522,26 +589,53 @@ struct Started {
     ready: Option<Reporter>,
 }
 
-fn run(args: RunArgs, started: Started) -> ExitCode {
+fn run(args: RunArgs) -> ExitCode {
     if args.boot_trace {
         trace::enable();
         trace::event("main");
+    }
+    let jail = args.jail.config();
+    if jail.is_some() && args.net != "none" {
+        return fail(mayfly_vmm::jail::JailError::Net);
     }
     let config = match args.into_config() {
         Ok(config) => config,
         Err(err) => return fail(err),
     };
-    let console = config.console.clone();
-    serve(&console, started, || {
-        boot::boot(&config).map_err(Error::Boot)
+    let vsock = config
+        .devices
+        .vsock
+        .as_ref()
+        .and_then(|v| v.path.as_deref());
+    if let Err(code) = enter_jail(jail, &config.name, &[config.api_sock.as_deref(), vsock]) {
+        return code;
+    }
+    with_stop_signals(None, |started| {
+        let console = config.console.clone();
+        serve(&console, started, || {
+            boot::boot(&config).map_err(Error::Boot)
+        })
     })
 }
 
-fn restore(args: RestoreArgs, started: Started) -> ExitCode {
+fn restore(args: RestoreArgs) -> ExitCode {
     if args.trace {
         trace::enable();
         trace::event("main");
     }
+    let vsock = beside_socket(args.vsock.clone(), args.api_sock.as_deref(), ".vsock");
+    let name = args.name.clone().unwrap_or_else(|| "restore".into());
+    if let Err(code) = enter_jail(
+        args.jail.config(),
+        &name,
+        &[args.api_sock.as_deref(), vsock.as_deref()],
+    ) {
+        return code;
+    }
+    with_stop_signals(None, |started| restore_started(args, started))
+}
+
+fn restore_started(args: RestoreArgs, started: Started) -> ExitCode {
     let Started { signals, ready } = started;
     let memory = match (args.memory, args.no_prefetch) {
         (MemoryMode::Lazy { .. }, true) => MemoryMode::Lazy { prefetch: false },

@@ -79,6 +79,8 @@ pub enum NetSetupError {
     },
     #[error("the snapshot's VM has no NIC: --net {0} needs a VM booted with a network (--net open or allow=...)")]
     NoNic(String),
+    #[error(transparent)]
+    Jailed(#[from] crate::jail::JailError),
 }
 
 /// A `--net` argument.
@@ -106,6 +108,9 @@ pub fn attach(
     policy: &Policy,
     mac: Option<MacAddr>,
 ) -> Result<VmNetwork, NetSetupError> {
+    if crate::jail::current().is_some() {
+        return Err(crate::jail::JailError::Net.into());
+    }
     let config = NetworkConfig {
         state_dir: settings.state_dir.clone(),
         uplink: match &settings.uplink {

@@ -193,6 +193,8 @@ pub enum RestoreError {
     Thread(std::io::Error),
     #[error("cannot raise a device interrupt: {0}")]
     Interrupt(std::io::Error),
+    #[error(transparent)]
+    Jail(#[from] crate::jail::JailError),
 }
 
 /// A snapshot read from disk and checked, with its memory file open.
@@ -547,6 +549,8 @@ pub fn start(
         events: event_sender,
         trace: None,
     };
+    // A jailed VMM is shut into its root now, before any guest code runs.
+    crate::jail::lock_down(&m.devices.jail_needs(config.console_input.as_deref()))?;
     m.vm.start_vcpus(vcpu_fds, context, config.paused)
         .map_err(RestoreError::Thread)?;
     // The restored devices' threads wait at their gates: a paused restore keeps them (and the
