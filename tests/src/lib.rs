@@ -17,3 +17,4 @@ pub mod agent;
 pub mod guest;
 pub mod probe;
 pub mod rig;
+pub mod serve;

@@ -43,6 +43,7 @@ pub mod memory;
 pub mod net;
 pub mod restore;
 pub mod seccomp;
+pub mod serve;
 pub mod snapshot;
 pub mod trace;
 pub mod vcpu;

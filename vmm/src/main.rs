@@ -91,6 +91,13 @@ enum Command {
     /// Examples: mayfly net --sock /tmp/vm.sock --policy allow=192.0.2.0/24:443
     ///           mayfly net --sock /tmp/vm.sock --expose 8080      (prints the host address)
     Net(NetArgs),
+    /// Run the sandbox manager: one control socket for many named VMs ("sandboxes"), each a
+    /// VMM process of its own, that sleep to disk when idle and wake on the next request.
+    ///
+    /// Example: mayfly serve --state-dir /var/lib/mayfly --sock /run/mayfly.sock, then
+    /// curl --unix-socket /run/mayfly.sock -H "Authorization: Bearer $(cat
+    /// /var/lib/mayfly/admin.token)" -d '{"name": "a"}' http://x/sandboxes
+    Serve(ServeArgs),
     /// Started by a fork: makes its clones (see the fork's code).
     #[command(hide = true)]
     Zygote(ZygoteArgs),
@@ -195,6 +202,17 @@ struct RestoreArgs {
     net_place: NetPlaceArgs,
     #[command(flatten)]
     jail: JailArgs,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Where the manager keeps its sandboxes, their snapshots, its admin token and its event
+    /// log (made if missing). A manager started again on it finds everything.
+    #[arg(long, value_name = "DIR")]
+    state_dir: PathBuf,
+    /// The manager's control socket (HTTP/1.1 + JSON).
+    #[arg(long, value_name = "PATH")]
+    sock: PathBuf,
 }
 
 #[derive(Args)]
@@ -523,6 +541,7 @@ fn main() -> ExitCode {
         ),
         Command::Exec(args) => guest_commands::exec(args),
         Command::Cp(args) => guest_commands::cp(args),
+        Command::Serve(args) => serve_sandboxes(args),
         Command::Net(args) => match (args.policy, args.expose) {
             (Some(policy), _) => client(
                 &args.sock.sock,
@@ -563,6 +582,55 @@ fn start_clone(prepared: restore::Prepared, instance: Instance, report: Reporter
         })
     });
     std::process::exit(1)
+}
+
+/// `mayfly serve`: the sandbox manager, until SIGTERM, SIGINT or SIGHUP (which leave the
+/// sandboxes as they are).
+fn serve_sandboxes(args: ServeArgs) -> ExitCode {
+    use nix::sys::signal::{SigSet, SigmaskHow, Signal};
+    let mut signals = SigSet::empty();
+    for sig in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
+        signals.add(sig);
+    }
+    // Blocked before any thread starts, so every thread inherits it and the signal thread
+    // takes them (a VMM the manager starts gets an empty mask again: std resets it).
+    if let Err(e) = nix::sys::signal::pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(&signals), None) {
+        return fail(format!("cannot block the stop signals: {e}"));
+    }
+    let (stop_tx, stop_rx) = match std::os::unix::net::UnixStream::pair() {
+        Ok(pair) => pair,
+        Err(e) => return fail(format!("cannot make a socket pair: {e}")),
+    };
+    let waiter = std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            let _ = signals.wait();
+            drop(stop_tx);
+        });
+    if let Err(e) = waiter {
+        return fail(format!("cannot start the signal thread: {e}"));
+    }
+    let state_dir = match mayfly_vmm::serve::absolute_state_dir(&args.state_dir) {
+        Ok(dir) => dir,
+        Err(e) => return fail(e),
+    };
+    let mayfly = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => {
+            return fail(format!(
+                "cannot find the mayfly binary (/proc/self/exe): {e}"
+            ))
+        }
+    };
+    let config = mayfly_vmm::serve::ServeConfig {
+        state_dir,
+        sock: args.sock,
+        mayfly,
+    };
+    match mayfly_vmm::serve::serve(&config, stop_rx) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(e),
+    }
 }
 
 fn fail(err: impl std::fmt::Display) -> ExitCode {

@@ -237,7 +237,7 @@ fn receive(socket: &UnixDatagram, buf: &mut [u8]) -> std::io::Result<Received> {
 
 /// Send SIGKILL to the process behind `pidfd` (nothing happens if it has ended, even if its
 /// pid is in use again).
-fn pidfd_kill(pidfd: &OwnedFd) {
+pub(crate) fn pidfd_kill(pidfd: &OwnedFd) {
     // SAFETY: pidfd_send_signal on a pidfd this process owns; no siginfo.
     unsafe {
         libc::syscall(
@@ -251,7 +251,7 @@ fn pidfd_kill(pidfd: &OwnedFd) {
 }
 
 /// A pidfd for `pid`, close-on-exec.
-fn pidfd_open(pid: libc::pid_t) -> std::io::Result<OwnedFd> {
+pub(crate) fn pidfd_open(pid: libc::pid_t) -> std::io::Result<OwnedFd> {
     // SAFETY: pidfd_open on a pid; the result is checked. Its pidfds are close-on-exec.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     if fd < 0 {

@@ -262,6 +262,9 @@ pub struct Request {
     /// For a request whose body is streamed rather than read here (see [`read_request`]):
     /// its length, of which `body` holds what arrived with the head.
     pub streamed_body_len: Option<u64>,
+    /// The `Authorization` header's value, if the request had one (`mayfly serve` checks
+    /// it; a VMM's own socket ignores it).
+    pub authorization: Option<String>,
 }
 
 /// Why the server will not route a request.
@@ -335,6 +338,7 @@ pub fn read_request(
     let mut content_length = None;
     let mut transfer_encoding = None;
     let mut expect_continue = false;
+    let mut authorization = None;
     for line in header_lines {
         let (name, value) = parse_header(line).map_err(|e| refuse(400, e))?;
         if name.eq_ignore_ascii_case("content-length") {
@@ -367,6 +371,8 @@ pub fn read_request(
                 ));
             }
             expect_continue = true;
+        } else if name.eq_ignore_ascii_case("authorization") {
+            authorization = Some(String::from_utf8_lossy(value).into_owned());
         }
     }
     if let Some(coding) = transfer_encoding {
@@ -392,6 +398,7 @@ pub fn read_request(
             query: query_of(target),
             body: prefix,
             streamed_body_len: Some(len),
+            authorization,
         });
     }
     if len > MAX_BODY as u64 {
@@ -430,6 +437,7 @@ pub fn read_request(
         query: query_of(target),
         body,
         streamed_body_len: None,
+        authorization,
     })
 }
 
@@ -749,7 +757,7 @@ mod tests {
     #[test]
     fn parses_a_request() {
         let req =
-            parse(b"PUT /vm/fork/?x=1 HTTP/1.1\r\nHost: x\r\ncontent-LENGTH: 4\r\n\r\nabcdEXTRA")
+            parse(b"PUT /vm/fork/?x=1 HTTP/1.1\r\nHost: x\r\ncontent-LENGTH: 4\r\nAuthorization: Bearer t\r\n\r\nabcdEXTRA")
                 .unwrap();
         assert_eq!(
             req,
@@ -759,6 +767,7 @@ mod tests {
                 query: "x=1".into(),
                 body: b"abcd".to_vec(),
                 streamed_body_len: None,
+                authorization: Some("Bearer t".into()),
             }
         );
         assert_eq!(

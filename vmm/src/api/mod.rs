@@ -35,7 +35,7 @@
 
 mod client;
 pub mod guest;
-mod http;
+pub(crate) mod http;
 mod server;
 mod socket;
 

@@ -314,7 +314,7 @@ impl SocketClaim {
     }
 
     /// Listen on the claimed path (mode 0600 from the first instant).
-    fn bind(&self) -> Result<UnixListener, ApiError> {
+    pub(crate) fn bind(&self) -> Result<UnixListener, ApiError> {
         let shown = self.path.display().to_string();
         let listener = socket::bind_private(&self.path).map_err(|e| match e.raw_os_error() {
             Some(libc::EADDRINUSE) => ApiError::InUse {

@@ -1,0 +1,175 @@
+//! `mayfly serve` from a test: a manager on a state directory of the test's, and requests to
+//! it with a bearer token.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::guest::{Guest, TestDir};
+use crate::probe;
+
+/// One request to the manager, with `token` (if any) as its bearer: status and JSON body.
+pub fn call(
+    sock: &Path,
+    token: Option<&str>,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut stream = UnixStream::connect(sock).unwrap_or_else(|e| panic!("connect {sock:?}: {e}"));
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).unwrap();
+    let text = String::from_utf8_lossy(&response);
+    let (head, rest) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no head in {text:?}"));
+    let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let value = serde_json::from_str(rest.trim()).unwrap_or(Value::String(rest.to_string()));
+    (status, value)
+}
+
+pub struct Manager {
+    pub process: Guest,
+    pub sock: PathBuf,
+    pub state: PathBuf,
+    pub admin: String,
+}
+
+impl Manager {
+    pub fn start(dir: &TestDir) -> Manager {
+        let sock = dir.join("m.sock");
+        let state = dir.join("state");
+        let process = Guest::start(&[
+            "serve",
+            "--state-dir",
+            &state.to_string_lossy(),
+            "--sock",
+            &sock.to_string_lossy(),
+        ]);
+        assert!(
+            process.wait_stderr("\"event\":\"serving\"", Duration::from_secs(30)),
+            "the manager did not start: {}",
+            process.stderr()
+        );
+        let admin = std::fs::read_to_string(state.join("admin.token"))
+            .unwrap()
+            .trim()
+            .to_string();
+        Manager {
+            process,
+            sock,
+            state,
+            admin,
+        }
+    }
+
+    pub fn admin(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        call(&self.sock, Some(&self.admin), method, path, body)
+    }
+
+    /// Create a sandbox from `spec` (with its name); returns its token.
+    pub fn create(&self, spec: Value) -> String {
+        let (status, body) = self.admin("POST", "/sandboxes", Some(spec));
+        assert_eq!(status, 201, "{body}");
+        assert_eq!(body["state"], "running", "{body}");
+        body["token"].as_str().expect("a token").to_string()
+    }
+
+    /// Create a probe sandbox; returns its token.
+    pub fn create_probe(&self, name: &str, idle_timeout_s: Option<u64>) -> String {
+        let mut spec = json!({
+            "name": name,
+            "kernel": probe::ELF,
+            "mem_mib": 64,
+            "cmdline": "touch=1",
+            "probe": true,
+        });
+        if let Some(idle) = idle_timeout_s {
+            spec["idle_timeout_s"] = json!(idle);
+        }
+        let (status, body) = self.admin("POST", "/sandboxes", Some(spec));
+        assert_eq!(status, 201, "{body}");
+        assert_eq!(body["state"], "running", "{body}");
+        body["token"].as_str().expect("a token").to_string()
+    }
+
+    pub fn describe(&self, name: &str) -> Value {
+        let (status, body) = self.admin("GET", &format!("/sandboxes/{name}"), None);
+        assert_eq!(status, 200, "{body}");
+        body
+    }
+
+    pub fn wait_state(&self, name: &str, state: &str, timeout: Duration) -> Value {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let body = self.describe(name);
+            if body["state"] == state {
+                return body;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name} never became {state}: {body}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn vmm_log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.state.join("sandboxes").join(name).join("vmm.log"))
+            .unwrap_or_default()
+    }
+
+    pub fn events(&self, event: &str, name: &str) -> usize {
+        let text = std::fs::read_to_string(self.state.join("events.jsonl")).unwrap();
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|e| e["event"] == event && e["sandbox"] == name)
+            .count()
+    }
+}
+
+impl Drop for Manager {
+    /// The sandboxes' VMMs outlive their manager by design: a test that failed half-way ends
+    /// the ones it left.
+    fn drop(&mut self) {
+        let Ok(entries) = std::fs::read_dir(self.state.join("sandboxes")) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let record: Value = std::fs::read(entry.path().join("sandbox.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or_default();
+            if let Some(pid) = record["pid"]
+                .as_u64()
+                .and_then(|p| libc::pid_t::try_from(p).ok())
+            {
+                // SAFETY: kill(2) of a VMM this test's manager started (best effort).
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+    }
+}
+
+pub fn alive(pid: u64) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z")
+}

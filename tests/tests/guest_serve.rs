@@ -1,0 +1,83 @@
+//! `mayfly serve` with the default Linux guest (run through tests/run, on a KVM that runs
+//! Linux): a command run through the manager leaves a file and a process; the sandbox sleeps
+//! to disk (its VMM gone) and the next exec through the manager wakes it and finds both.
+
+use std::time::{Duration, Instant};
+
+use mayfly_tests::agent::wait_agent;
+use mayfly_tests::guest::{TestDir, BOOT_TIMEOUT};
+use mayfly_tests::serve::{alive, call, Manager};
+use serde_json::{json, Value};
+
+/// Run `script` in the sandbox through the manager: its exit code and stdout.
+fn shell(m: &Manager, token: &str, name: &str, script: &str) -> (i64, String) {
+    let (status, body) = call(
+        &m.sock,
+        Some(token),
+        "POST",
+        &format!("/sandboxes/{name}/vm/exec"),
+        Some(json!({ "shell": script })),
+    );
+    assert_eq!(status, 200, "exec {script:?}: {body}");
+    let code = body["exit"]["exit_code"].as_i64().unwrap_or(-1);
+    (
+        code,
+        body["stdout"].as_str().unwrap_or_default().to_string(),
+    )
+}
+
+#[test]
+fn a_sandbox_wakes_from_disk_with_its_files_and_processes() {
+    let dir = TestDir::new("serve-guest");
+    let m = Manager::start(&dir);
+    let token = m.create(json!({ "name": "box" }));
+    let vm = m.describe("box");
+    let sock = std::path::PathBuf::from(vm["socket"].as_str().unwrap());
+    wait_agent(&sock, BOOT_TIMEOUT);
+
+    let (code, out) = shell(
+        &m,
+        &token,
+        "box",
+        "echo kept > /root/state; setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $!",
+    );
+    assert_eq!(code, 0, "{out}");
+    let sleeper: u32 = out.trim().parse().expect("the sleeper's pid");
+
+    // Asleep: on disk, its VMM gone.
+    let pid = vm["pid"].as_u64().unwrap();
+    let (status, body) = call(&m.sock, Some(&token), "PUT", "/sandboxes/box/pause", None);
+    assert_eq!(
+        (status, body["state"].as_str()),
+        (200, Some("suspended")),
+        "{body}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while alive(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "the sleeping sandbox's VMM still runs"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // The next exec wakes it: the file and the process are as they were.
+    let (code, out) = shell(
+        &m,
+        &token,
+        "box",
+        &format!("cat /root/state; kill -0 {sleeper} && echo alive"),
+    );
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(out, "kept\nalive\n");
+    let awake = m.describe("box");
+    assert_eq!(awake["state"], "running");
+    assert_eq!(awake["wakes"], 1, "{awake}");
+    assert_ne!(
+        awake["pid"],
+        Value::from(pid),
+        "a new VMM serves the woken sandbox"
+    );
+    let (status, _) = m.admin("DELETE", "/sandboxes/box", None);
+    assert_eq!(status, 200);
+}

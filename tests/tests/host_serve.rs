@@ -1,0 +1,338 @@
+//! `mayfly serve` (vmm/src/serve/), on this machine's KVM with the probe guest: sandboxes by
+//! name, each a VMM process of its own; idle ones sleep to disk (their VMM gone) and wake on
+//! the next request with their memory intact; tokens scope every request; `kill -9` of the
+//! manager loses nothing; bad requests are refused in words and leave nothing behind.
+
+use std::time::{Duration, Instant};
+
+use mayfly_tests::guest::TestDir;
+use mayfly_tests::probe;
+use mayfly_tests::serve::{alive, call, Manager};
+use serde_json::{json, Value};
+
+#[test]
+fn an_idle_sandbox_sleeps_to_disk_and_wakes_on_the_next_request_with_its_memory() {
+    let dir = TestDir::new("serve-sleep");
+    let m = Manager::start(&dir);
+    let token = m.create_probe("sleepy", Some(1));
+    let vm = m.describe("sleepy");
+    let first_pid = vm["pid"].as_u64().expect("a running sandbox has a pid");
+    assert!(alive(first_pid));
+    // Its VM answers through the manager, with the sandbox's own token.
+    let (status, body) = call(&m.sock, Some(&token), "GET", "/sandboxes/sleepy/vm", None);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["name"], "sleepy");
+
+    // Idle past its timeout: snapshotted, its VMM gone.
+    let asleep = m.wait_state("sleepy", "suspended", Duration::from_secs(30));
+    assert_eq!(asleep["pid"], Value::Null);
+    assert_eq!(asleep["suspends"], 1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while alive(first_pid) {
+        assert!(
+            Instant::now() < deadline,
+            "the suspended sandbox's VMM still runs"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(m.state.join("sandboxes/sleepy/snap").is_dir());
+
+    // Two requests at once while it sleeps: one wake, both answered.
+    let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let a = s.spawn(|| call(&m.sock, Some(&token), "GET", "/sandboxes/sleepy/vm", None));
+        let b = s.spawn(|| call(&m.sock, Some(&token), "GET", "/sandboxes/sleepy/vm", None));
+        vec![a.join().unwrap(), b.join().unwrap()]
+    });
+    for (status, body) in &answers {
+        assert_eq!(*status, 200, "{body}");
+        assert!(
+            body["origin"].as_str().unwrap().starts_with("restore of"),
+            "{body}"
+        );
+    }
+    let awake = m.describe("sleepy");
+    assert_eq!(awake["state"], "running");
+    assert_eq!(awake["wakes"], 1, "two requests woke it twice: {awake}");
+    assert_eq!(m.events("woke", "sleepy"), 1);
+    // The probe finds every page it wrote before the sleep.
+    let deadline = Instant::now() + probe::TIMEOUT;
+    while !m.vmm_log("sleepy").contains("mayfly-probe: verified") {
+        assert!(
+            !m.vmm_log("sleepy").contains("mayfly-probe: corrupt"),
+            "{}",
+            m.vmm_log("sleepy")
+        );
+        assert!(
+            Instant::now() < deadline,
+            "no verified report: {}",
+            m.vmm_log("sleepy")
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    // pause and resume do the same on demand; delete removes everything.
+    let (status, body) = call(
+        &m.sock,
+        Some(&token),
+        "PUT",
+        "/sandboxes/sleepy/pause",
+        None,
+    );
+    assert_eq!(
+        (status, body["state"].as_str()),
+        (200, Some("suspended")),
+        "{body}"
+    );
+    let (status, body) = call(
+        &m.sock,
+        Some(&token),
+        "PUT",
+        "/sandboxes/sleepy/resume",
+        None,
+    );
+    assert_eq!(
+        (status, body["state"].as_str()),
+        (200, Some("running")),
+        "{body}"
+    );
+    let pid = body["pid"].as_u64().unwrap();
+    let (status, body) = call(&m.sock, Some(&token), "DELETE", "/sandboxes/sleepy", None);
+    assert_eq!(status, 200, "{body}");
+    assert!(!m.state.join("sandboxes/sleepy").exists());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while alive(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "a deleted sandbox's VMM still runs"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (status, _) = m.admin("GET", "/sandboxes/sleepy", None);
+    assert_eq!(status, 404);
+
+    // The metrics saw all of it.
+    let (status, metrics) = call(&m.sock, None, "GET", "/metrics", None);
+    assert_eq!(status, 200);
+    let metrics = metrics.as_str().unwrap().to_string();
+    assert!(metrics.contains("mayfly_wake_seconds_count 2"), "{metrics}");
+    assert!(
+        metrics.contains("mayfly_suspend_seconds_count 2"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("mayfly_create_seconds_count 1"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn a_token_opens_its_own_sandbox_only_and_stops_when_revoked() {
+    let dir = TestDir::new("serve-tokens");
+    let m = Manager::start(&dir);
+    let a = m.create_probe("a", None);
+    let b = m.create_probe("b", None);
+    let get = |token: Option<&str>, path: &str| call(&m.sock, token, "GET", path, None).0;
+    assert_eq!(get(Some(&a), "/sandboxes/a"), 200);
+    assert_eq!(get(Some(&a), "/sandboxes/a/vm"), 200);
+    assert_eq!(get(Some(&a), "/sandboxes/b"), 403);
+    assert_eq!(get(Some(&a), "/sandboxes/b/vm"), 403);
+    assert_eq!(get(Some(&b), "/sandboxes/a/vm"), 403);
+    // Manager-wide requests need the admin token; names are not given away.
+    assert_eq!(get(Some(&a), "/sandboxes"), 403);
+    assert_eq!(get(None, "/sandboxes/a"), 401);
+    assert_eq!(get(Some("mfs_guess"), "/sandboxes/a"), 403);
+    assert_eq!(get(Some(&a), "/sandboxes/nobody"), 403);
+    assert_eq!(get(Some(&m.admin), "/sandboxes/nobody"), 404);
+    assert_eq!(get(Some(&m.admin), "/sandboxes/b/vm"), 200);
+    // Revoked: a's token stops working, the admin's does not; a new one works.
+    assert_eq!(
+        call(&m.sock, Some(&a), "DELETE", "/sandboxes/a/token", None).0,
+        403
+    );
+    let (status, _) = m.admin("DELETE", "/sandboxes/a/token", None);
+    assert_eq!(status, 200);
+    assert_eq!(get(Some(&a), "/sandboxes/a/vm"), 403);
+    let (status, body) = m.admin("PUT", "/sandboxes/a/token", None);
+    assert_eq!(status, 200, "{body}");
+    let fresh = body["token"].as_str().unwrap().to_string();
+    assert_eq!(get(Some(&fresh), "/sandboxes/a/vm"), 200);
+    assert_eq!(get(Some(&a), "/sandboxes/a/vm"), 403);
+    // The routes the manager must see are not passed through.
+    let (status, body) = call(
+        &m.sock,
+        Some(&fresh),
+        "PUT",
+        "/sandboxes/a/vm/fork",
+        Some(json!({"count": 1})),
+    );
+    assert_eq!(status, 501, "{body}");
+    let (status, body) = call(
+        &m.sock,
+        Some(&fresh),
+        "PUT",
+        "/sandboxes/a/vm/shutdown",
+        None,
+    );
+    assert_eq!(status, 409, "{body}");
+}
+
+#[test]
+fn kill_9_of_the_manager_loses_nothing() {
+    let dir = TestDir::new("serve-crash");
+    let mut m = Manager::start(&dir);
+    let awake_token = m.create_probe("awake", None);
+    m.create_probe("asleep", None);
+    m.create_probe("doomed", None);
+    let (status, _) = m.admin("PUT", "/sandboxes/asleep/pause", None);
+    assert_eq!(status, 200);
+    let awake_pid = m.describe("awake")["pid"].as_u64().unwrap();
+    let doomed_pid = m.describe("doomed")["pid"].as_u64().unwrap();
+    m.process.signal(libc::SIGKILL);
+    m.process.wait_exit(Duration::from_secs(10));
+    // The sandboxes' VMMs outlive their manager; one dies while it is away.
+    assert!(alive(awake_pid));
+    // SAFETY: kill(2) of a VMM this test made.
+    unsafe { libc::kill(libc::pid_t::try_from(doomed_pid).unwrap(), libc::SIGKILL) };
+
+    let m = Manager::start(&dir);
+    let awake = m.describe("awake");
+    assert_eq!(awake["state"], "running", "{awake}");
+    assert_eq!(
+        awake["pid"].as_u64(),
+        Some(awake_pid),
+        "not adopted: {awake}"
+    );
+    let (status, body) = call(
+        &m.sock,
+        Some(&awake_token),
+        "GET",
+        "/sandboxes/awake/vm",
+        None,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["pid"].as_u64(), Some(awake_pid));
+    assert_eq!(m.describe("asleep")["state"], "suspended");
+    let doomed = m.describe("doomed");
+    assert_eq!(doomed["state"], "dead", "{doomed}");
+    let (status, body) = m.admin("GET", "/sandboxes/doomed/vm", None);
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("delete it"),
+        "{body}"
+    );
+    // The sleeping one wakes under the new manager.
+    let (status, body) = m.admin("GET", "/sandboxes/asleep/vm", None);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(m.describe("asleep")["state"], "running");
+    for name in ["awake", "asleep", "doomed"] {
+        assert_eq!(
+            m.admin("DELETE", &format!("/sandboxes/{name}"), None).0,
+            200
+        );
+    }
+}
+
+#[test]
+fn bad_creates_are_refused_in_words_and_leave_nothing_behind() {
+    let dir = TestDir::new("serve-bad");
+    let m = Manager::start(&dir);
+    let refused = |body: Value, status: u16, says: &str| {
+        let (got, answer) = m.admin("POST", "/sandboxes", Some(body.clone()));
+        assert_eq!(got, status, "{body} → {answer}");
+        let message = answer["error"].as_str().unwrap_or_default();
+        assert!(message.contains(says), "{body} → {message}");
+    };
+    refused(json!({}), 400, "\"name\" is required");
+    refused(json!({"name": "Bad_Name"}), 400, "DNS label");
+    refused(json!({"name": "-x"}), 400, "DNS label");
+    refused(json!({"name": "x".repeat(64)}), 400, "DNS label");
+    refused(json!({"name": "a", "kernal": "/x"}), 400, "unknown field");
+    refused(
+        json!({"name": "a", "kernel": "vmlinux"}),
+        400,
+        "absolute path",
+    );
+    refused(
+        json!({"name": "a", "kernel": "/nonexistent"}),
+        400,
+        "does not exist",
+    );
+    refused(json!({"name": "a", "idle_timeout_s": 0}), 400, "at least 1");
+    refused(
+        json!({"name": "a", "snapshot": "/", "mem_mib": 64}),
+        400,
+        "alone",
+    );
+    // A VMM that cannot start: its own words come back, and nothing of it stays.
+    refused(
+        json!({"name": "notakernel", "kernel": "/etc/passwd"}),
+        502,
+        "neither an x86-64 ELF vmlinux nor a bzImage",
+    );
+    let (status, body) = call(&m.sock, Some(&m.admin), "POST", "/sandboxes", None);
+    assert_eq!(status, 400, "{body}");
+    assert!(!m.state.join("sandboxes/notakernel").exists());
+    let (_, list) = m.admin("GET", "/sandboxes", None);
+    assert_eq!(list["sandboxes"], json!([]));
+    // A name taken is refused, and the sandbox that has it is untouched.
+    m.create_probe("taken", None);
+    refused(json!({"name": "taken"}), 409, "exists");
+    assert_eq!(m.describe("taken")["state"], "running");
+    let (status, _) = m.admin("PATCH", "/sandboxes/taken", None);
+    assert_eq!(status, 405);
+    let (status, _) = m.admin("GET", "/elsewhere", None);
+    assert_eq!(status, 404);
+    assert_eq!(m.admin("DELETE", "/sandboxes/taken", None).0, 200);
+}
+
+#[test]
+fn two_hundred_parallel_requests_to_fifty_sandboxes_are_all_answered() {
+    let dir = TestDir::new("serve-load");
+    let m = Manager::start(&dir);
+    let names: Vec<String> = (0..50).map(|i| format!("s{i}")).collect();
+    let tokens: Vec<String> = names.iter().map(|n| m.create_probe(n, None)).collect();
+    // A tenth of them asleep: those requests wake them.
+    for name in names.iter().step_by(10) {
+        assert_eq!(
+            m.admin("PUT", &format!("/sandboxes/{name}/pause"), None).0,
+            200
+        );
+    }
+    let answers: Vec<(usize, u16, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..200)
+            .map(|i| {
+                let (name, token, sock) = (&names[i % 50], &tokens[i % 50], &m.sock);
+                s.spawn(move || {
+                    let (status, body) = call(
+                        sock,
+                        Some(token),
+                        "GET",
+                        &format!("/sandboxes/{name}/vm"),
+                        None,
+                    );
+                    (i, status, body)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, status, body) in &answers {
+        assert_eq!(*status, 200, "request {i}: {body}");
+        assert_eq!(
+            body["name"],
+            names[i % 50],
+            "request {i} reached the wrong VM"
+        );
+    }
+    for name in names.iter().step_by(10) {
+        assert_eq!(m.describe(name)["wakes"], 1, "{name}");
+    }
+    for name in &names {
+        assert_eq!(
+            m.admin("DELETE", &format!("/sandboxes/{name}"), None).0,
+            200
+        );
+    }
+    let (_, list) = m.admin("GET", "/sandboxes", None);
+    assert_eq!(list["sandboxes"], json!([]));
+}

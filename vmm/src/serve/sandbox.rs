@@ -1,0 +1,1205 @@
+//! Sandboxes: a name, a record on disk, and (while it runs) a VMM process of its own.
+//!
+//! A sandbox's directory, `<state-dir>/sandboxes/<name>/`, holds everything of it:
+//! `sandbox.json` (its record, replaced atomically at every change of state), `vm.sock` (its
+//! VMM's control socket, with `vm.sock.vsock` and the disk layers in `vm.sock.disks/` beside
+//! it), `console.log`, `vmm.log` (the VMM's stderr) and, once it has slept, `snap/` (the
+//! snapshot it wakes from). The record says what the manager last knew; a manager that starts
+//! (after a crash, or `kill -9`) rebuilds its view from the records and adopts the VMMs that
+//! still run ([`Manager::recover`]).
+//!
+//! Every change of a sandbox's state happens under its own lock, so two wakes of one sandbox
+//! make one wake, and a delete waits for a suspend; requests passed to a running VMM do not
+//! hold it (an exec may run for minutes).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use super::metrics::{Gauges, Metrics};
+use super::ServeError;
+
+/// How long a new or waking VMM may take to answer on its control socket. A cold boot of a
+/// Linux guest in the test rig takes tens of seconds; a restore on real KVM milliseconds.
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a VMM asked to shut down may take to exit before it is killed.
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+/// Requests the manager sends a VMM (pause, snapshot, shutdown).
+const VMM_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The record's file name in a sandbox's directory.
+const RECORD: &str = "sandbox.json";
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+pub(super) fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// What a sandbox is made from: the options of `mayfly run`, or a snapshot to restore.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Spec {
+    /// A snapshot directory to restore instead of booting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initrd: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmdline: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_mib: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpus: Option<u32>,
+    /// `debian` or an image path (`mayfly run --rootfs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rootfs: Option<String>,
+    /// `mayfly run --net`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net: Option<String>,
+    /// Suspend to disk after this long without a request (none: never).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_s: Option<u64>,
+    /// The probe benchmark's guest (gives the VM the probe device).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub probe: bool,
+}
+
+impl Spec {
+    /// Check what can be checked before anything is made.
+    pub fn check(&self) -> Result<(), String> {
+        if self.snapshot.is_some()
+            && (self.kernel.is_some()
+                || self.initrd.is_some()
+                || self.cmdline.is_some()
+                || self.mem_mib.is_some()
+                || self.vcpus.is_some()
+                || self.rootfs.is_some()
+                || self.probe)
+        {
+            return Err(
+                "a sandbox made from a snapshot takes its machine from the snapshot: \
+                 give \"snapshot\" alone (with \"net\" and \"idle_timeout_s\" if wanted)"
+                    .into(),
+            );
+        }
+        for (what, path) in [
+            ("snapshot", &self.snapshot),
+            ("kernel", &self.kernel),
+            ("initrd", &self.initrd),
+        ] {
+            if let Some(path) = path {
+                if !path.is_absolute() {
+                    return Err(format!(
+                        "\"{what}\": give an absolute path ({} is relative to nothing the \
+                         manager knows)",
+                        path.display()
+                    ));
+                }
+                if !path.exists() {
+                    return Err(format!("\"{what}\": {} does not exist", path.display()));
+                }
+            }
+        }
+        if self.idle_timeout_s == Some(0) {
+            return Err("\"idle_timeout_s\" must be at least 1 (leave it out for never)".into());
+        }
+        Ok(())
+    }
+
+    fn run_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        let mut add = |flag: &str, value: Option<String>| {
+            if let Some(value) = value {
+                args.push(flag.to_owned());
+                args.push(value);
+            }
+        };
+        let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+        add("--kernel", path(&self.kernel));
+        add("--initrd", path(&self.initrd));
+        add("--cmdline", self.cmdline.clone());
+        add("--mem-mib", self.mem_mib.map(|m| m.to_string()));
+        add("--vcpus", self.vcpus.map(|v| v.to_string()));
+        add("--rootfs", self.rootfs.clone());
+        add("--net", self.net.clone());
+        if self.probe {
+            args.push("--probe".into());
+        }
+        args
+    }
+}
+
+/// Where a sandbox is in its life.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum State {
+    /// Its VMM is being started (a record left in this state is a create that never finished).
+    Starting,
+    Running,
+    /// Being snapshotted to sleep.
+    Suspending,
+    /// On disk only: no process, no RAM.
+    Suspended,
+    /// Its VMM ended without being asked and it has no snapshot to wake from.
+    Dead,
+    Deleting,
+}
+
+impl State {
+    pub const ALL: [State; 6] = [
+        State::Starting,
+        State::Running,
+        State::Suspending,
+        State::Suspended,
+        State::Dead,
+        State::Deleting,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            State::Starting => "starting",
+            State::Running => "running",
+            State::Suspending => "suspending",
+            State::Suspended => "suspended",
+            State::Dead => "dead",
+            State::Deleting => "deleting",
+        }
+    }
+}
+
+/// What is kept of a sandbox on disk.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Record {
+    pub name: String,
+    pub spec: Spec,
+    pub state: State,
+    /// SHA-256 of its token; none once revoked.
+    pub token_sha256: Option<String>,
+    /// Its VMM, while it runs: pid and the process's start time (field 22 of
+    /// /proc/PID/stat), so that a pid used again by another process is never taken for it.
+    pub pid: Option<u32>,
+    pub pid_start: Option<u64>,
+    pub created_ms: u64,
+    pub last_used_ms: u64,
+    pub suspended_ms: Option<u64>,
+    pub wakes: u64,
+    pub suspends: u64,
+    /// Why it is dead, when it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub died: Option<String>,
+}
+
+/// A sandbox's running VMM.
+struct Vmm {
+    pid: u32,
+    pidfd: OwnedFd,
+    /// Set when this manager started it (then it reaps it); an adopted VMM's parent is gone.
+    child: Option<Child>,
+}
+
+/// Whether `fd` becomes readable within `timeout` (a pidfd does once its process exited).
+fn readable(fd: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> bool {
+    let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+    let mut fds = [nix::poll::PollFd::new(&fd, nix::poll::PollFlags::POLLIN)];
+    nix::poll::poll(&mut fds, ms).unwrap_or(0) > 0
+}
+
+impl Vmm {
+    fn exited(&self) -> bool {
+        readable(self.pidfd.as_fd(), Duration::ZERO)
+    }
+
+    /// Wait until it has exited (true) or `timeout` passed.
+    fn wait_exit(&mut self, timeout: Duration) -> bool {
+        let gone = readable(self.pidfd.as_fd(), timeout);
+        if gone {
+            if let Some(child) = &mut self.child {
+                let _ = child.wait();
+            }
+        }
+        gone
+    }
+
+    fn kill(&mut self) {
+        crate::zygote::pidfd_kill(&self.pidfd);
+        self.wait_exit(STOP_TIMEOUT);
+    }
+}
+
+struct Inner {
+    record: Record,
+    vmm: Option<Vmm>,
+}
+
+pub struct Sandbox {
+    pub name: String,
+    dir: PathBuf,
+    inner: Mutex<Inner>,
+    /// Requests being passed to its VMM: it is not idle while one runs.
+    active: AtomicUsize,
+    /// The manager's monotonic clock at its last request, in ms since the manager started.
+    last_used: AtomicU64,
+}
+
+/// A request in flight for a sandbox: it counts as activity until dropped.
+pub struct Activity<'a> {
+    sandbox: &'a Sandbox,
+    manager: &'a Manager,
+}
+
+impl Drop for Activity<'_> {
+    fn drop(&mut self) {
+        self.sandbox.touch(self.manager);
+        self.sandbox.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Sandbox {
+    fn touch(&self, manager: &Manager) {
+        self.last_used.store(manager.uptime_ms(), Ordering::SeqCst);
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("vm.sock")
+    }
+
+    fn snapshot_dir(&self) -> PathBuf {
+        self.dir.join("snap")
+    }
+
+    /// Whether `token` is this sandbox's (and it has not been revoked).
+    pub fn token_is(&self, token: &str) -> bool {
+        let inner = lock(&self.inner);
+        inner
+            .record
+            .token_sha256
+            .as_deref()
+            .is_some_and(|hash| same(hash.as_bytes(), hash_token(token).as_bytes()))
+    }
+
+    pub fn describe(&self, manager: &Manager) -> Value {
+        let inner = lock(&self.inner);
+        let r = &inner.record;
+        let idle_ms = manager
+            .uptime_ms()
+            .saturating_sub(self.last_used.load(Ordering::SeqCst));
+        json!({
+            "name": r.name,
+            "state": r.state.name(),
+            "spec": r.spec,
+            "pid": inner.vmm.as_ref().map(|v| v.pid),
+            "socket": self.socket(),
+            "console": self.dir.join("console.log"),
+            "created_ms": r.created_ms,
+            "last_used_ms": r.last_used_ms,
+            "idle_ms": idle_ms,
+            "suspended_ms": r.suspended_ms,
+            "wakes": r.wakes,
+            "suspends": r.suspends,
+            "token": if r.token_sha256.is_some() { "set" } else { "revoked" },
+            "died": r.died,
+        })
+    }
+
+    fn save(&self, inner: &Inner) -> Result<(), ServeError> {
+        write_atomically(
+            &self.dir.join(RECORD),
+            &serde_json::to_vec_pretty(&inner.record).unwrap_or_default(),
+        )
+    }
+}
+
+/// Constant-time comparison of two hashes.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+pub fn hash_token(token: &str) -> String {
+    let digest = Sha256::digest(token.as_bytes());
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A new token: 32 random bytes, hex, with a prefix that says what it is.
+pub fn new_token(prefix: &str) -> Result<String, ServeError> {
+    let mut bytes = [0u8; 32];
+    let mut filled = 0;
+    while filled < bytes.len() {
+        // SAFETY: getrandom writes at most the given length into the buffer, which lives
+        // across the call.
+        let n = unsafe {
+            libc::getrandom(bytes[filled..].as_mut_ptr().cast(), bytes.len() - filled, 0)
+        };
+        match usize::try_from(n) {
+            Ok(n) => filled += n,
+            Err(_) => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(ServeError::Io {
+                        what: "draw a random token from",
+                        path: "getrandom".into(),
+                        source: e,
+                    });
+                }
+            }
+        }
+    }
+    Ok(format!(
+        "{prefix}{}",
+        bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    ))
+}
+
+/// Replace `path` with `bytes` so that a crash leaves the old or the new file, never half of
+/// one: a temporary file beside it, synced, renamed over it, the directory synced.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ServeError> {
+    let io = |what, source| ServeError::Io {
+        what,
+        path: path.display().to_string(),
+        source,
+    };
+    let tmp = path.with_extension("tmp");
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(|e| io("write", e))?;
+    file.write_all(bytes).map_err(|e| io("write", e))?;
+    file.sync_all().map_err(|e| io("sync", e))?;
+    std::fs::rename(&tmp, path).map_err(|e| io("replace", e))?;
+    if let Some(dir) = path.parent() {
+        if let Ok(dir) = std::fs::File::open(dir) {
+            let _ = dir.sync_all();
+        }
+    }
+    Ok(())
+}
+
+/// Whether `name` can name a sandbox: a DNS label (RFC 1123): 1 to 63 lower-case letters,
+/// digits and hyphens, not starting or ending with a hyphen.
+pub fn valid_name(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-')
+}
+
+/// Field 22 of /proc/PID/stat: when the process started, in clock ticks since boot.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold anything: split after it.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Resident memory of a process, in bytes.
+fn rss_bytes(pid: u32) -> u64 {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return 0;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(0, |kib| kib << 10)
+}
+
+/// Bytes allocated on disk under `path`.
+fn disk_bytes(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return 0;
+    };
+    let own = meta.blocks() * 512;
+    if !meta.is_dir() {
+        return own;
+    }
+    let Ok(entries) = std::fs::read_dir(path) else {
+        return own;
+    };
+    own + entries
+        .flatten()
+        .map(|e| disk_bytes(&e.path()))
+        .sum::<u64>()
+}
+
+/// The last lines of a VMM's log, for an error message.
+fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let tail = lines[lines.len().saturating_sub(5)..].join(" | ");
+    if tail.is_empty() {
+        "(its log is empty)".into()
+    } else {
+        tail
+    }
+}
+
+/// The manager: every sandbox, its counters and its event log.
+pub struct Manager {
+    dir: PathBuf,
+    mayfly: PathBuf,
+    admin_hash: String,
+    sandboxes: Mutex<BTreeMap<String, Arc<Sandbox>>>,
+    pub metrics: Metrics,
+    events: Mutex<std::fs::File>,
+    started: Instant,
+}
+
+impl Manager {
+    /// Open (or make) a state directory: its admin token, its event log, its sandboxes.
+    pub fn open(dir: &Path, mayfly: PathBuf) -> Result<Manager, ServeError> {
+        let io = |what, path: &Path| {
+            let path = path.display().to_string();
+            move |source| ServeError::Io { what, path, source }
+        };
+        let sandboxes = dir.join("sandboxes");
+        std::fs::create_dir_all(&sandboxes).map_err(io("make", &sandboxes))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(io("set the mode of", dir))?;
+        let token_file = dir.join("admin.token");
+        let admin = match std::fs::read_to_string(&token_file) {
+            Ok(token) if !token.trim().is_empty() => token.trim().to_owned(),
+            Ok(_) | Err(_) => {
+                let token = new_token("mfa_")?;
+                write_atomically(&token_file, format!("{token}\n").as_bytes())?;
+                token
+            }
+        };
+        let events_path = dir.join("events.jsonl");
+        let events = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .mode(0o600)
+            .open(&events_path)
+            .map_err(io("open", &events_path))?;
+        Ok(Manager {
+            dir: dir.to_path_buf(),
+            mayfly,
+            admin_hash: hash_token(&admin),
+            sandboxes: Mutex::new(BTreeMap::new()),
+            metrics: Metrics::default(),
+            events: Mutex::new(events),
+            started: Instant::now(),
+        })
+    }
+
+    fn uptime_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    pub fn is_admin(&self, token: &str) -> bool {
+        same(self.admin_hash.as_bytes(), hash_token(token).as_bytes())
+    }
+
+    /// One JSON line per life-cycle event, in `events.jsonl` and on stderr.
+    pub fn event(&self, event: &str, sandbox: &str, detail: Value) {
+        let mut line = json!({ "ts_ms": now_ms(), "event": event, "sandbox": sandbox });
+        if let (Some(line), Value::Object(detail)) = (line.as_object_mut(), detail) {
+            line.extend(detail);
+        }
+        let text = format!("{line}\n");
+        let _ = lock(&self.events).write_all(text.as_bytes());
+        eprint!("mayfly serve: {text}");
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<Sandbox>> {
+        lock(&self.sandboxes).get(name).cloned()
+    }
+
+    pub fn list(&self) -> Vec<Value> {
+        let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();
+        all.iter().map(|s| s.describe(self)).collect()
+    }
+
+    pub fn gauges(&self) -> Gauges {
+        let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();
+        let mut counts = [0usize; State::ALL.len()];
+        let mut memory = 0;
+        for sandbox in &all {
+            let inner = lock(&sandbox.inner);
+            if let Some(i) = State::ALL.iter().position(|s| *s == inner.record.state) {
+                counts[i] += 1;
+            }
+            if let Some(vmm) = &inner.vmm {
+                memory += rss_bytes(vmm.pid);
+            }
+        }
+        Gauges {
+            by_state: State::ALL
+                .iter()
+                .zip(counts)
+                .map(|(s, n)| (s.name(), n))
+                .collect(),
+            memory_bytes: memory,
+            disk_bytes: disk_bytes(&self.dir.join("sandboxes")),
+        }
+    }
+
+    /// Rebuild the view from the records on disk (at start): adopt the VMMs that still run,
+    /// keep the suspended, finish what a crash interrupted.
+    pub fn recover(&self) {
+        let Ok(entries) = std::fs::read_dir(self.dir.join("sandboxes")) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let dir = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !valid_name(&name) || !dir.is_dir() {
+                continue;
+            }
+            let record: Record = match std::fs::read(dir.join(RECORD))
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
+            {
+                Ok(record) => record,
+                Err(e) => {
+                    // Left alone for a person to look at: nothing is deleted on a guess.
+                    self.event("unreadable", &name, json!({ "error": e, "dir": dir }));
+                    continue;
+                }
+            };
+            let sandbox = Arc::new(Sandbox {
+                name: name.clone(),
+                dir: dir.clone(),
+                inner: Mutex::new(Inner { record, vmm: None }),
+                active: AtomicUsize::new(0),
+                last_used: AtomicU64::new(self.uptime_ms()),
+            });
+            let mut inner = lock(&sandbox.inner);
+            let vmm = adopt(&inner.record, &sandbox.socket());
+            let has_snapshot = sandbox.snapshot_dir().join("state.bin").exists()
+                || sandbox.snapshot_dir().is_dir();
+            let outcome = match (inner.record.state, vmm) {
+                (State::Starting | State::Deleting, vmm) => {
+                    // A create that never answered, or a delete that never finished: finish
+                    // removing it.
+                    if let Some(mut vmm) = vmm {
+                        vmm.kill();
+                    }
+                    let _ = std::fs::remove_dir_all(&dir);
+                    self.event(
+                        "removed",
+                        &name,
+                        json!({ "why": "unfinished at the last stop" }),
+                    );
+                    continue;
+                }
+                (State::Running | State::Suspending, Some(vmm)) => {
+                    inner.vmm = Some(vmm);
+                    inner.record.state = State::Running;
+                    "adopted"
+                }
+                (State::Running | State::Suspending, None) if has_snapshot => {
+                    inner.record.state = State::Suspended;
+                    inner.record.pid = None;
+                    "vmm_gone_suspended"
+                }
+                (State::Running | State::Suspending, None) => {
+                    inner.record.state = State::Dead;
+                    inner.record.pid = None;
+                    inner.record.died = Some("its VMM ended while the manager was away".into());
+                    "vmm_gone_dead"
+                }
+                (State::Suspended | State::Dead, Some(mut vmm)) => {
+                    // Should not run: a VMM of a sandbox the record says sleeps.
+                    vmm.kill();
+                    "stray_vmm_killed"
+                }
+                (state, None) => state.name(),
+            };
+            let _ = sandbox.save(&inner);
+            self.event(
+                "recovered",
+                &name,
+                json!({ "state": inner.record.state.name(), "how": outcome }),
+            );
+            drop(inner);
+            lock(&self.sandboxes).insert(name, Arc::clone(&sandbox));
+        }
+    }
+
+    /// Make a sandbox and start its VMM; returns its description and its token. Nothing of
+    /// it is left if it fails.
+    pub fn create(&self, name: &str, spec: Spec) -> Result<(Value, String), ServeError> {
+        if !valid_name(name) {
+            return Err(ServeError::BadRequest(format!(
+                "{name:?} is not a sandbox name: use 1 to 63 lower-case letters, digits and \
+                 hyphens, not starting or ending with a hyphen (a DNS label)"
+            )));
+        }
+        spec.check().map_err(ServeError::BadRequest)?;
+        let dir = self.dir.join("sandboxes").join(name);
+        let sock = dir.join("vm.sock");
+        // The vsock socket beside it is the longest path the VMM binds.
+        let longest = sock.as_os_str().len() + ".vsock_4294967295".len();
+        if longest > crate::api::MAX_SOCKET_PATH {
+            return Err(ServeError::BadRequest(format!(
+                "the sandbox's sockets under {} would be {longest} bytes long, over the {} a \
+                 Unix socket path may have: give a shorter name, or serve from a shorter \
+                 --state-dir",
+                dir.display(),
+                crate::api::MAX_SOCKET_PATH
+            )));
+        }
+        let token = new_token("mfs_")?;
+        let now = now_ms();
+        let sandbox = Arc::new(Sandbox {
+            name: name.to_owned(),
+            dir: dir.clone(),
+            inner: Mutex::new(Inner {
+                record: Record {
+                    name: name.to_owned(),
+                    spec,
+                    state: State::Starting,
+                    token_sha256: Some(hash_token(&token)),
+                    pid: None,
+                    pid_start: None,
+                    created_ms: now,
+                    last_used_ms: now,
+                    suspended_ms: None,
+                    wakes: 0,
+                    suspends: 0,
+                    died: None,
+                },
+                vmm: None,
+            }),
+            active: AtomicUsize::new(0),
+            last_used: AtomicU64::new(self.uptime_ms()),
+        });
+        // The name is taken (under the map's lock) before anything is made on disk.
+        {
+            let mut all = lock(&self.sandboxes);
+            if all.contains_key(name) || dir.exists() {
+                return Err(ServeError::Conflict(format!(
+                    "a sandbox named {name} exists: pick another name, or delete it first"
+                )));
+            }
+            all.insert(name.to_owned(), Arc::clone(&sandbox));
+        }
+        let start = Instant::now();
+        let mut inner = lock(&sandbox.inner);
+        let made = (|| {
+            std::fs::create_dir(&dir).map_err(|source| ServeError::Io {
+                what: "make",
+                path: dir.display().to_string(),
+                source,
+            })?;
+            sandbox.save(&inner)?;
+            let vmm = self.start_vmm(&sandbox, &inner.record.spec, false)?;
+            inner.record.pid = Some(vmm.pid);
+            inner.record.pid_start = start_time(vmm.pid);
+            inner.vmm = Some(vmm);
+            inner.record.state = State::Running;
+            sandbox.save(&inner)
+        })();
+        if let Err(e) = made {
+            if let Some(mut vmm) = inner.vmm.take() {
+                vmm.kill();
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+            drop(inner);
+            lock(&self.sandboxes).remove(name);
+            self.metrics.creates_failed.fetch_add(1, Ordering::Relaxed);
+            self.event("create_failed", name, json!({ "error": e.to_string() }));
+            return Err(e);
+        }
+        let took = start.elapsed();
+        self.metrics.create.observe(took);
+        self.event(
+            "created",
+            name,
+            json!({ "ms": took.as_secs_f64() * 1e3, "pid": inner.record.pid }),
+        );
+        drop(inner);
+        Ok((sandbox.describe(self), token))
+    }
+
+    /// Start a sandbox's VMM (a boot, or a restore of its own snapshot when `wake`) and wait
+    /// for its control socket to answer.
+    fn start_vmm(&self, sandbox: &Sandbox, spec: &Spec, wake: bool) -> Result<Vmm, ServeError> {
+        let sock = sandbox.socket();
+        let log_path = sandbox.dir.join("vmm.log");
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .mode(0o600)
+            .open(&log_path)
+            .map_err(|source| ServeError::Io {
+                what: "open",
+                path: log_path.display().to_string(),
+                source,
+            })?;
+        let err_log = log.try_clone().map_err(|source| ServeError::Io {
+            what: "open",
+            path: log_path.display().to_string(),
+            source,
+        })?;
+        let mut command = Command::new(&self.mayfly);
+        let restore_from = if wake {
+            Some(sandbox.snapshot_dir())
+        } else {
+            spec.snapshot.clone()
+        };
+        match &restore_from {
+            Some(snapshot) => {
+                command.arg("restore").arg(snapshot);
+                // The snapshot's policy is kept on wake; a first restore may set one.
+                if let (false, Some(net)) = (wake, &spec.net) {
+                    command.args(["--net", net]);
+                }
+            }
+            None => {
+                command.arg("run").args(spec.run_args());
+            }
+        }
+        command
+            .arg("--name")
+            .arg(&sandbox.name)
+            .arg("--api-sock")
+            .arg(&sock)
+            .arg("--console")
+            .arg(sandbox.dir.join("console.log"))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err_log)
+            // Its own process group: a Ctrl-C meant for the manager does not stop its VMs.
+            .process_group(0);
+        let child = command.spawn().map_err(|source| ServeError::Io {
+            what: "start",
+            path: self.mayfly.display().to_string(),
+            source,
+        })?;
+        let pid = child.id();
+        let pidfd = crate::zygote::pidfd_open(libc::pid_t::try_from(pid).unwrap_or(-1)).map_err(
+            |source| ServeError::Io {
+                what: "follow (pidfd_open) the VMM of",
+                path: sandbox.name.clone(),
+                source,
+            },
+        )?;
+        let mut vmm = Vmm {
+            pid,
+            pidfd,
+            child: Some(child),
+        };
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if vmm.exited() {
+                vmm.wait_exit(Duration::ZERO);
+                return Err(ServeError::VmmFailed(format!(
+                    "the VMM of {} ended before it answered: {}",
+                    sandbox.name,
+                    log_tail(&log_path)
+                )));
+            }
+            if let Ok((200, _)) =
+                crate::api::request_with_timeout(&sock, "GET", "/vm", None, Duration::from_secs(5))
+            {
+                return Ok(vmm);
+            }
+            if Instant::now() > deadline {
+                vmm.kill();
+                return Err(ServeError::VmmFailed(format!(
+                    "the VMM of {} did not answer within {} s: {}",
+                    sandbox.name,
+                    START_TIMEOUT.as_secs(),
+                    log_tail(&log_path)
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Mark a sandbox whose VMM has ended on its own: suspended if it has a snapshot to wake
+    /// from, dead if not.
+    fn note_death(&self, sandbox: &Sandbox, inner: &mut Inner) {
+        let Some(mut vmm) = inner.vmm.take() else {
+            return;
+        };
+        vmm.wait_exit(Duration::ZERO);
+        let status = vmm
+            .child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+            .map(|s| s.to_string());
+        let why = format!(
+            "its VMM (pid {}) ended{}: {}",
+            vmm.pid,
+            status.map(|s| format!(" ({s})")).unwrap_or_default(),
+            log_tail(&sandbox.dir.join("vmm.log"))
+        );
+        inner.record.pid = None;
+        inner.record.pid_start = None;
+        if sandbox.snapshot_dir().is_dir() {
+            inner.record.state = State::Suspended;
+        } else {
+            inner.record.state = State::Dead;
+            inner.record.died = Some(why.clone());
+        }
+        let _ = sandbox.save(inner);
+        self.metrics.vmm_deaths.fetch_add(1, Ordering::Relaxed);
+        self.event(
+            "vmm_died",
+            &sandbox.name,
+            json!({ "state": inner.record.state.name(), "why": why }),
+        );
+    }
+
+    /// Count a request for a sandbox as activity, wake it if it sleeps, and return its control
+    /// socket: what the request is passed to. The activity lasts until the guard is dropped.
+    pub fn enter<'a>(
+        &'a self,
+        sandbox: &'a Sandbox,
+    ) -> Result<(Activity<'a>, PathBuf), ServeError> {
+        sandbox.active.fetch_add(1, Ordering::SeqCst);
+        let activity = Activity {
+            sandbox,
+            manager: self,
+        };
+        sandbox.touch(self);
+        self.ensure_running(sandbox)?;
+        Ok((activity, sandbox.socket()))
+    }
+
+    /// Wake the sandbox if it sleeps (one wake however many ask at once).
+    pub fn ensure_running(&self, sandbox: &Sandbox) -> Result<(), ServeError> {
+        let mut inner = lock(&sandbox.inner);
+        if inner.record.state == State::Running && inner.vmm.as_ref().is_none_or(Vmm::exited) {
+            self.note_death(sandbox, &mut inner);
+        }
+        match inner.record.state {
+            State::Running => Ok(()),
+            State::Suspended => self.wake(sandbox, &mut inner),
+            State::Dead => Err(ServeError::Conflict(format!(
+                "sandbox {} is dead ({}) and has no snapshot to wake from: delete it",
+                sandbox.name,
+                inner.record.died.as_deref().unwrap_or("its VMM ended")
+            ))),
+            State::Deleting => Err(ServeError::NotFound(format!(
+                "sandbox {} is being deleted",
+                sandbox.name
+            ))),
+            State::Starting | State::Suspending => Err(ServeError::Conflict(format!(
+                "sandbox {} is {}: try again",
+                sandbox.name,
+                inner.record.state.name()
+            ))),
+        }
+    }
+
+    fn wake(&self, sandbox: &Sandbox, inner: &mut Inner) -> Result<(), ServeError> {
+        let start = Instant::now();
+        let spec = inner.record.spec.clone();
+        match self.start_vmm(sandbox, &spec, true) {
+            Ok(vmm) => {
+                inner.record.pid = Some(vmm.pid);
+                inner.record.pid_start = start_time(vmm.pid);
+                inner.vmm = Some(vmm);
+                inner.record.state = State::Running;
+                inner.record.wakes += 1;
+                let asleep = inner
+                    .record
+                    .suspended_ms
+                    .map(|t| now_ms().saturating_sub(t));
+                inner.record.last_used_ms = now_ms();
+                sandbox.save(inner)?;
+                let took = start.elapsed();
+                self.metrics.wake.observe(took);
+                self.event(
+                    "woke",
+                    &sandbox.name,
+                    json!({ "ms": took.as_secs_f64() * 1e3, "asleep_ms": asleep, "pid": inner.record.pid }),
+                );
+                Ok(())
+            }
+            Err(e) => {
+                self.metrics.wakes_failed.fetch_add(1, Ordering::Relaxed);
+                self.event(
+                    "wake_failed",
+                    &sandbox.name,
+                    json!({ "error": e.to_string() }),
+                );
+                Err(e)
+            }
+        }
+    }
+
+    /// Put a running sandbox to sleep: snapshot it into its directory, then end its VMM (its
+    /// RAM is freed). A sandbox already asleep stays so.
+    pub fn suspend(&self, sandbox: &Sandbox) -> Result<(), ServeError> {
+        let mut inner = lock(&sandbox.inner);
+        self.suspend_locked(sandbox, &mut inner)
+    }
+
+    fn suspend_locked(&self, sandbox: &Sandbox, inner: &mut Inner) -> Result<(), ServeError> {
+        if inner.record.state == State::Running && inner.vmm.as_ref().is_none_or(Vmm::exited) {
+            self.note_death(sandbox, inner);
+        }
+        match inner.record.state {
+            State::Running => {}
+            State::Suspended => return Ok(()),
+            other => {
+                return Err(ServeError::Conflict(format!(
+                    "sandbox {} is {}: only a running sandbox can be suspended",
+                    sandbox.name,
+                    other.name()
+                )))
+            }
+        }
+        let start = Instant::now();
+        inner.record.state = State::Suspending;
+        sandbox.save(inner)?;
+        let sock = sandbox.socket();
+        let vmm_request = |method: &str, path: &str, body: Option<&Value>| {
+            match crate::api::request_with_timeout(&sock, method, path, body, VMM_REQUEST_TIMEOUT) {
+                Ok((status, _)) if status < 300 => Ok(()),
+                Ok((status, body)) => Err(format!("{method} {path}: {status} {body}")),
+                Err(e) => Err(format!("{method} {path}: {e}")),
+            }
+        };
+        let snapshot = sandbox.snapshot_dir();
+        // Paused first (a snapshot is of a paused VM); a VM paused through its own socket
+        // already is, and says so with 409.
+        let snapped = match crate::api::request_with_timeout(
+            &sock,
+            "PUT",
+            "/vm/pause",
+            None,
+            VMM_REQUEST_TIMEOUT,
+        ) {
+            Ok((status, _)) if status < 300 || status == 409 => Ok(()),
+            Ok((status, body)) => Err(format!("PUT /vm/pause: {status} {body}")),
+            Err(e) => Err(format!("PUT /vm/pause: {e}")),
+        }
+        .and_then(|()| vmm_request("PUT", "/vm/snapshot", Some(&json!({ "path": snapshot }))));
+        if let Err(e) = snapped {
+            // It keeps running as it was.
+            let _ = vmm_request("PUT", "/vm/resume", None);
+            inner.record.state = State::Running;
+            let _ = sandbox.save(inner);
+            self.metrics.suspends_failed.fetch_add(1, Ordering::Relaxed);
+            self.event("suspend_failed", &sandbox.name, json!({ "error": e }));
+            // The idle watch tries again after another idle timeout, not at its next pass.
+            sandbox.touch(self);
+            return Err(ServeError::VmmFailed(format!(
+                "could not snapshot sandbox {} to suspend it: {e}",
+                sandbox.name
+            )));
+        }
+        // The snapshot is on disk: the VMM may go however it goes.
+        if let Some(mut vmm) = inner.vmm.take() {
+            let _ = vmm_request("PUT", "/vm/shutdown", None);
+            if !vmm.wait_exit(STOP_TIMEOUT) {
+                vmm.kill();
+            }
+        }
+        inner.record.state = State::Suspended;
+        inner.record.pid = None;
+        inner.record.pid_start = None;
+        inner.record.suspends += 1;
+        inner.record.suspended_ms = Some(now_ms());
+        sandbox.save(inner)?;
+        let took = start.elapsed();
+        self.metrics.suspend.observe(took);
+        self.event(
+            "suspended",
+            &sandbox.name,
+            json!({ "ms": took.as_secs_f64() * 1e3, "disk_bytes": disk_bytes(&snapshot) }),
+        );
+        Ok(())
+    }
+
+    /// End a sandbox's VMM and remove everything of it.
+    pub fn delete(&self, sandbox: &Sandbox) -> Result<(), ServeError> {
+        let mut inner = lock(&sandbox.inner);
+        if inner.record.state == State::Deleting {
+            return Err(ServeError::NotFound(format!(
+                "sandbox {} is being deleted",
+                sandbox.name
+            )));
+        }
+        inner.record.state = State::Deleting;
+        sandbox.save(&inner)?;
+        if let Some(mut vmm) = inner.vmm.take() {
+            vmm.kill();
+        }
+        std::fs::remove_dir_all(&sandbox.dir).map_err(|source| ServeError::Io {
+            what: "remove",
+            path: sandbox.dir.display().to_string(),
+            source,
+        })?;
+        drop(inner);
+        lock(&self.sandboxes).remove(&sandbox.name);
+        self.event("deleted", &sandbox.name, json!({}));
+        Ok(())
+    }
+
+    /// A new token for the sandbox (the old one stops working), or none (`revoke`).
+    pub fn set_token(&self, sandbox: &Sandbox, revoke: bool) -> Result<Option<String>, ServeError> {
+        let mut inner = lock(&sandbox.inner);
+        let token = if revoke {
+            None
+        } else {
+            Some(new_token("mfs_")?)
+        };
+        inner.record.token_sha256 = token.as_deref().map(hash_token);
+        sandbox.save(&inner)?;
+        self.event(
+            if revoke {
+                "token_revoked"
+            } else {
+                "token_minted"
+            },
+            &sandbox.name,
+            json!({}),
+        );
+        Ok(token)
+    }
+
+    /// One pass of the idle watch: suspend sandboxes idle past their timeout, notice VMMs
+    /// that ended, reap.
+    pub fn watch_once(&self) {
+        let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();
+        for sandbox in all {
+            // Busy with a wake, suspend or delete: next time.
+            let Ok(mut inner) = sandbox.inner.try_lock() else {
+                continue;
+            };
+            if inner.record.state != State::Running {
+                continue;
+            }
+            if inner.vmm.as_ref().is_none_or(Vmm::exited) {
+                self.note_death(&sandbox, &mut inner);
+                continue;
+            }
+            let Some(timeout) = inner.record.spec.idle_timeout_s else {
+                continue;
+            };
+            let idle_ms = self
+                .uptime_ms()
+                .saturating_sub(sandbox.last_used.load(Ordering::SeqCst));
+            if sandbox.active.load(Ordering::SeqCst) == 0 && idle_ms >= timeout * 1000 {
+                self.event("idle", &sandbox.name, json!({ "idle_ms": idle_ms }));
+                let _ = self.suspend_locked(&sandbox, &mut inner);
+            }
+        }
+    }
+}
+
+/// The VMM a record names, if that process still runs as that sandbox's VMM: the same pid,
+/// started at the same time, serving the sandbox's socket.
+fn adopt(record: &Record, sock: &Path) -> Option<Vmm> {
+    let pid = record.pid?;
+    if record.pid_start.is_none() || start_time(pid) != record.pid_start {
+        return None;
+    }
+    let pidfd = crate::zygote::pidfd_open(libc::pid_t::try_from(pid).ok()?).ok()?;
+    // Checked again after the pidfd is held: the pid cannot change hands from here on.
+    if start_time(pid) != record.pid_start {
+        return None;
+    }
+    let vmm = Vmm {
+        pid,
+        pidfd,
+        child: None,
+    };
+    let answers = matches!(
+        crate::api::request_with_timeout(sock, "GET", "/vm", None, Duration::from_secs(5)),
+        Ok((200, _))
+    );
+    answers.then_some(vmm)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_dns_labels() {
+        for good in ["a", "sbx-1", "0", &"x".repeat(63)] {
+            assert!(valid_name(good), "{good}");
+        }
+        for bad in [
+            "",
+            "-a",
+            "a-",
+            "A",
+            "a_b",
+            "a.b",
+            "a/b",
+            "..",
+            &"x".repeat(64),
+            "é",
+        ] {
+            assert!(!valid_name(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn specs_from_a_snapshot_take_nothing_else_and_paths_are_absolute() {
+        let snap = Spec {
+            snapshot: Some("/".into()),
+            mem_mib: Some(64),
+            ..Spec::default()
+        };
+        assert!(snap.check().unwrap_err().contains("alone"));
+        let relative = Spec {
+            kernel: Some("vmlinux".into()),
+            ..Spec::default()
+        };
+        assert!(relative.check().unwrap_err().contains("absolute"));
+        let missing = Spec {
+            kernel: Some("/nonexistent/vmlinux".into()),
+            ..Spec::default()
+        };
+        assert!(missing.check().unwrap_err().contains("does not exist"));
+        let never = Spec {
+            idle_timeout_s: Some(0),
+            ..Spec::default()
+        };
+        assert!(never.check().unwrap_err().contains("at least 1"));
+        assert!(Spec::default().check().is_ok());
+        assert!(serde_json::from_value::<Spec>(json!({"kernal": "/x"})).is_err());
+    }
+
+    #[test]
+    fn tokens_are_random_and_checked_by_hash() {
+        let a = new_token("mfs_").unwrap();
+        let b = new_token("mfs_").unwrap();
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 4 + 64);
+        assert!(same(hash_token(&a).as_bytes(), hash_token(&a).as_bytes()));
+        assert!(!same(hash_token(&a).as_bytes(), hash_token(&b).as_bytes()));
+    }
+
+    #[test]
+    fn a_process_start_time_tells_a_reused_pid_apart() {
+        let me = std::process::id();
+        assert!(start_time(me).is_some());
+        assert_eq!(start_time(me), start_time(me));
+        assert_eq!(start_time(u32::MAX), None);
+    }
+}
