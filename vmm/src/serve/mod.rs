@@ -29,6 +29,7 @@ mod metrics;
 mod sandbox;
 
 use std::io::{Read, Write};
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -93,6 +94,11 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
     manager.recover();
     let claim = crate::api::SocketClaim::new(&config.sock)?;
     let listener = claim.bind()?;
+    // The socket file this manager made: at the end it removes that one only, never one a
+    // newer manager bound at the same path meanwhile.
+    let socket_id = std::fs::metadata(&config.sock)
+        .ok()
+        .map(|m| (m.dev(), m.ino()));
     listener
         .set_nonblocking(true)
         .map_err(|source| ServeError::Io {
@@ -165,7 +171,11 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
     }
     manager.event("stopped", "", json!({ "sandboxes": "left as they are" }));
     drop(listener);
-    let _ = std::fs::remove_file(&config.sock);
+    let ours = std::fs::symlink_metadata(&config.sock)
+        .is_ok_and(|m| Some((m.dev(), m.ino())) == socket_id);
+    if ours {
+        let _ = std::fs::remove_file(&config.sock);
+    }
     claim.release();
     Ok(())
 }

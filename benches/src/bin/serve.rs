@@ -1,0 +1,260 @@
+//! The sandbox manager (`mayfly serve`), on this machine's KVM with the probe guest: what a
+//! sandbox costs through the manager against the same work without it, measured in the same
+//! run and interleaved (so a busy machine weighs on both alike).
+//!
+//! - **create, boot**: `POST /sandboxes` that boots the probe, to the 201;
+//! - **create from a snapshot** (what a cached template's create is) against a **plain
+//!   restore** of the same snapshot (`mayfly restore` until its socket answers `GET /vm`);
+//! - **suspend**: `PUT /sandboxes/NAME/pause`, snapshot written and VMM gone;
+//! - **wake on request**: a `GET /sandboxes/NAME/vm` to a suspended sandbox, to its answer;
+//! - **manager overhead per call**: `GET /sandboxes/NAME/vm` through the manager against
+//!   `GET /vm` on the VMM's own socket;
+//! - **parked**: disk per suspended sandbox (allocated blocks) and VMM processes left (0).
+//!
+//! Targets (issue "sandbox manager"): create from a template ≤ 1.5× a plain restore;
+//! wake-on-exec ≤ 1.5× restore → first answer; overhead per call ≤ 1 ms; disk per parked
+//! sandbox ≤ its dirtied pages + 1 MiB.
+// Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
+// why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use mayfly_benches::{emit_report, Machine, Stats};
+use mayfly_tests::guest::{Guest, TestDir};
+use mayfly_tests::probe;
+use mayfly_tests::serve::{call, Manager};
+use serde::Serialize;
+use serde_json::json;
+
+#[derive(Parser)]
+#[command(about = "Benchmark mayfly serve with the probe guest: create, suspend, wake, overhead")]
+struct Args {
+    /// Repetitions of each measurement.
+    #[arg(long, default_value_t = 10)]
+    runs: usize,
+    /// The probe's memory, MiB.
+    #[arg(long, default_value_t = 128)]
+    mem_mib: u64,
+    /// Requests for the per-call overhead.
+    #[arg(long, default_value_t = 200)]
+    calls: usize,
+    /// Write the JSON report here instead of stdout.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Report {
+    bench: &'static str,
+    machine: Machine,
+    mem_mib: u64,
+    runs: usize,
+    create_boot_ms: Stats,
+    create_from_snapshot_ms: Stats,
+    plain_restore_ms: Stats,
+    /// Median create from a snapshot / median plain restore (target ≤ 1.5).
+    create_over_restore: f64,
+    suspend_ms: Stats,
+    wake_on_request_ms: Stats,
+    /// Median wake on request / median plain restore (target ≤ 1.5).
+    wake_over_restore: f64,
+    via_manager_call_ms: Stats,
+    direct_call_ms: Stats,
+    /// Median through the manager − median direct (target ≤ 1 ms).
+    overhead_per_call_ms: f64,
+    /// Allocated bytes of one suspended sandbox's directory (its snapshot, logs, record).
+    parked_disk_bytes: u64,
+    /// What the probe dirtied: its whole memory (it writes every page at boot).
+    parked_dirty_bytes: u64,
+    /// VMM processes of the parked sandboxes still running (RAM ≈ 0 means 0).
+    parked_vmm_processes: usize,
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
+
+fn ok(status: u16, body: &serde_json::Value, what: &str) {
+    assert!(status < 300, "{what}: {status} {body}");
+}
+
+/// `mayfly restore` of `snap` until its socket answers, with the options the manager gives
+/// it (a name, a console file); ms. The VMM is killed afterwards.
+fn plain_restore(snap: &Path, sock: &Path, console: &Path) -> f64 {
+    let start = Instant::now();
+    let vmm = Guest::start(&[
+        "restore",
+        &snap.to_string_lossy(),
+        "--name",
+        "plain",
+        "--api-sock",
+        &sock.to_string_lossy(),
+        "--console",
+        &console.to_string_lossy(),
+    ]);
+    loop {
+        if let Ok((200, _)) =
+            mayfly_vmm::api::request_with_timeout(sock, "GET", "/vm", None, Duration::from_secs(5))
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let took = ms(start);
+    drop(vmm);
+    took
+}
+
+fn main() {
+    let args = Args::parse();
+    let dir = TestDir::new("serve-bench");
+    let m = Manager::start(&dir);
+    let spec = |name: &str| {
+        json!({
+            "name": name,
+            "kernel": probe::ELF,
+            "mem_mib": args.mem_mib,
+            "cmdline": "touch=1",
+            "probe": true,
+        })
+    };
+
+    // The snapshot that stands for a template: a booted probe, taken through the manager.
+    m.create(spec("template"));
+    let snap = dir.join("template-snap");
+    let (status, body) = m.admin("PUT", "/sandboxes/template/vm/pause", None);
+    ok(status, &body, "pause");
+    let (status, body) = m.admin(
+        "PUT",
+        "/sandboxes/template/vm/snapshot",
+        Some(json!({ "path": snap })),
+    );
+    ok(status, &body, "snapshot");
+
+    let (mut boot, mut from_snap, mut restore, mut suspend, mut wake) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for i in 0..args.runs {
+        eprintln!("serve bench: round {}/{}", i + 1, args.runs);
+        let start = Instant::now();
+        let (status, body) = m.admin("POST", "/sandboxes", Some(spec(&format!("boot{i}"))));
+        ok(status, &body, "create");
+        boot.push(ms(start));
+
+        restore.push(plain_restore(
+            &snap,
+            &dir.join("plain.sock"),
+            &dir.join("plain.log"),
+        ));
+        let start = Instant::now();
+        let (status, body) = m.admin(
+            "POST",
+            "/sandboxes",
+            Some(json!({ "name": format!("snap{i}"), "snapshot": snap })),
+        );
+        ok(status, &body, "create from a snapshot");
+        from_snap.push(ms(start));
+
+        let start = Instant::now();
+        let (status, body) = m.admin("PUT", &format!("/sandboxes/snap{i}/pause"), None);
+        ok(status, &body, "suspend");
+        suspend.push(ms(start));
+        let start = Instant::now();
+        let (status, body) = m.admin("GET", &format!("/sandboxes/snap{i}/vm"), None);
+        ok(status, &body, "wake");
+        wake.push(ms(start));
+    }
+
+    // Per-call overhead: the same request through the manager and straight to the VMM.
+    let vm_sock = PathBuf::from(m.describe("snap0")["socket"].as_str().unwrap());
+    let (mut via, mut direct) = (Vec::new(), Vec::new());
+    for _ in 0..args.calls {
+        let start = Instant::now();
+        let (status, body) = m.admin("GET", "/sandboxes/snap0/vm", None);
+        ok(status, &body, "via the manager");
+        via.push(ms(start));
+        let start = Instant::now();
+        let (status, body) = call(&vm_sock, None, "GET", "/vm", None);
+        ok(status, &body, "direct");
+        direct.push(ms(start));
+    }
+
+    // Parked: every sandbox suspended.
+    let (_, list) = m.admin("GET", "/sandboxes", None);
+    let names: Vec<String> = list["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap().to_string())
+        .collect();
+    for name in &names {
+        let (status, body) = m.admin("PUT", &format!("/sandboxes/{name}/pause"), None);
+        ok(status, &body, "park");
+    }
+    let parked_disk = du(&m.state.join("sandboxes/snap0"));
+    let parked_vmm_processes = names
+        .iter()
+        .filter(|n| !m.describe(n)["pid"].is_null())
+        .count();
+    for name in &names {
+        m.admin("DELETE", &format!("/sandboxes/{name}"), None);
+    }
+
+    let median = |v: &[f64]| Stats::of(v).map_or(0.0, |s| s.median);
+    let report = Report {
+        bench: "serve",
+        machine: Machine::describe(),
+        mem_mib: args.mem_mib,
+        runs: args.runs,
+        create_over_restore: median(&from_snap) / median(&restore),
+        wake_over_restore: median(&wake) / median(&restore),
+        overhead_per_call_ms: median(&via) - median(&direct),
+        create_boot_ms: Stats::of(&boot).unwrap_or_default(),
+        create_from_snapshot_ms: Stats::of(&from_snap).unwrap_or_default(),
+        plain_restore_ms: Stats::of(&restore).unwrap_or_default(),
+        suspend_ms: Stats::of(&suspend).unwrap_or_default(),
+        wake_on_request_ms: Stats::of(&wake).unwrap_or_default(),
+        via_manager_call_ms: Stats::of(&via).unwrap_or_default(),
+        direct_call_ms: Stats::of(&direct).unwrap_or_default(),
+        parked_disk_bytes: parked_disk,
+        parked_dirty_bytes: args.mem_mib << 20,
+        parked_vmm_processes,
+    };
+    eprintln!(
+        "serve bench: create from snapshot {:.2} ms vs plain restore {:.2} ms ({:.2}x), wake on \
+         request {:.2} ms ({:.2}x), suspend {:.1} ms, overhead per call {:.3} ms, parked {} MiB",
+        median(&from_snap),
+        median(&restore),
+        report.create_over_restore,
+        median(&wake),
+        report.wake_over_restore,
+        median(&suspend),
+        report.overhead_per_call_ms,
+        parked_disk >> 20
+    );
+    emit_report("serve", &report, args.out.as_deref());
+}
+
+/// Allocated bytes under `path`.
+fn du(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return 0;
+    };
+    let own = meta.blocks() * 512;
+    if !meta.is_dir() {
+        return own;
+    }
+    own + std::fs::read_dir(path)
+        .map(|entries| entries.flatten().map(|e| du(&e.path())).sum::<u64>())
+        .unwrap_or(0)
+}
