@@ -22,6 +22,16 @@ fn an_idle_sandbox_sleeps_to_disk_and_wakes_on_the_next_request_with_its_memory(
     let (status, body) = call(&m.sock, Some(&token), "GET", "/sandboxes/sleepy/vm", None);
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["name"], "sleepy");
+    // Jailed by default, sharing only its own directory, as an unprivileged uid.
+    assert_eq!(vm["jailed"], true, "{vm}");
+    let own_dir = m.state.join("sandboxes/sleepy");
+    assert_eq!(body["jail"]["shared"], json!([own_dir]), "{body}");
+    let vmm_pid = body["pid"].as_u64().unwrap();
+    let status_file = std::fs::read_to_string(format!("/proc/{vmm_pid}/status")).unwrap();
+    assert!(
+        status_file.contains("Uid:\t1000000\t1000000\t1000000\t1000000"),
+        "{status_file}"
+    );
 
     // Idle past its timeout: snapshotted, its VMM gone.
     let asleep = m.wait_state("sleepy", "suspended", Duration::from_secs(30));
@@ -186,6 +196,8 @@ fn kill_9_of_the_manager_loses_nothing() {
     let (status, _) = m.admin("PUT", "/sandboxes/asleep/pause", None);
     assert_eq!(status, 200);
     let awake_pid = m.describe("awake")["pid"].as_u64().unwrap();
+    // The VMM itself (a jailed VMM is the child of the process the manager started).
+    let awake_vmm = m.admin("GET", "/sandboxes/awake/vm", None).1["pid"].as_u64();
     let doomed_pid = m.describe("doomed")["pid"].as_u64().unwrap();
     m.process.signal(libc::SIGKILL);
     m.process.wait_exit(Duration::from_secs(10));
@@ -210,7 +222,7 @@ fn kill_9_of_the_manager_loses_nothing() {
         None,
     );
     assert_eq!(status, 200, "{body}");
-    assert_eq!(body["pid"].as_u64(), Some(awake_pid));
+    assert_eq!(body["pid"].as_u64(), awake_vmm, "another VMM answers");
     assert_eq!(m.describe("asleep")["state"], "suspended");
     let doomed = m.describe("doomed");
     assert_eq!(doomed["state"], "dead", "{doomed}");
@@ -258,6 +270,11 @@ fn bad_creates_are_refused_in_words_and_leave_nothing_behind() {
         "does not exist",
     );
     refused(json!({"name": "a", "idle_timeout_s": 0}), 400, "at least 1");
+    refused(
+        json!({"name": "a", "net": "open"}),
+        400,
+        "cannot have a NIC",
+    );
     refused(
         json!({"name": "a", "snapshot": "/", "mem_mib": 64}),
         400,
@@ -327,6 +344,12 @@ fn two_hundred_parallel_requests_to_fifty_sandboxes_are_all_answered() {
     for name in names.iter().step_by(10) {
         assert_eq!(m.describe(name)["wakes"], 1, "{name}");
     }
+    // Each jailed VMM runs as a uid of its own.
+    let uids: std::collections::BTreeSet<u64> = names
+        .iter()
+        .map(|n| m.describe(n)["uid"].as_u64().expect("a jailed sandbox's uid"))
+        .collect();
+    assert_eq!(uids.len(), names.len(), "{uids:?}");
     for name in &names {
         assert_eq!(
             m.admin("DELETE", &format!("/sandboxes/{name}"), None).0,

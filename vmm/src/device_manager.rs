@@ -675,27 +675,28 @@ impl DeviceManager {
 
     /// What of the host the VM still opens by path once it runs, for its jail: its disk
     /// directory (new layers at each snapshot), the directory of its vsock socket (the guest's
-    /// connections to `<socket>_<port>`), and a console-input FIFO.
-    pub fn jail_needs(&self, console_input: Option<&Path>) -> Vec<crate::jail::Share> {
-        let mut needs = Vec::new();
+    /// connections to `<socket>_<port>`), and a console-input FIFO; and its own vsock socket,
+    /// which its controller connects to (to reach the guest agent) as the jail's uid.
+    pub fn jail_needs(&self, console_input: Option<&Path>) -> crate::jail::Needs {
+        let mut needs = crate::jail::Needs::default();
         if let Some(dir) = &self.disk_dir {
-            needs.push(crate::jail::Share {
+            needs.shares.push(crate::jail::Share {
                 path: std::path::absolute(dir).unwrap_or(dir.clone()),
                 writable: true,
             });
         }
-        if let Some(dir) = self
-            .vsock()
-            .and_then(|(path, _)| path)
-            .and_then(|p| p.parent().map(Path::to_path_buf))
-        {
-            needs.push(crate::jail::Share {
-                path: std::path::absolute(&dir).unwrap_or(dir),
-                writable: false,
-            });
+        if let Some(socket) = self.vsock().and_then(|(path, _)| path) {
+            let socket = std::path::absolute(&socket).unwrap_or(socket);
+            if let Some(dir) = socket.parent() {
+                needs.shares.push(crate::jail::Share {
+                    path: dir.to_path_buf(),
+                    writable: false,
+                });
+            }
+            needs.own.push(socket);
         }
         if let Some(fifo) = console_input {
-            needs.push(crate::jail::Share {
+            needs.shares.push(crate::jail::Share {
                 path: std::path::absolute(fifo).unwrap_or(fifo.to_path_buf()),
                 writable: false,
             });

@@ -611,20 +611,34 @@ pub struct Share {
     pub writable: bool,
 }
 
+/// What of the host a jailed VM still needs once it runs: the paths it opens, and the files
+/// it made as root that it must still open for writing as the jail's uid (its own vsock
+/// socket, which its controller connects to to reach the guest agent).
+#[derive(Clone, Debug, Default)]
+pub struct Needs {
+    pub shares: Vec<Share>,
+    pub own: Vec<PathBuf>,
+}
+
 /// Step 2: with everything the VM needs open, shut the VMM into its root and drop its
 /// credentials (no-op without a jail). `needs` are the VM's own paths (its disk directory,
 /// its vsock socket's directory, its console-input FIFO); the jail's `--jail-share`
 /// directories are added. Called before any vCPU runs.
-pub fn lock_down(needs: &[Share]) -> Result<(), JailError> {
+pub fn lock_down(needs: &Needs) -> Result<(), JailError> {
     let Some(jail) = current() else {
         return Ok(());
     };
     crate::trace::event("jail_lock_down");
+    for path in &needs.own {
+        if path.exists() {
+            chown_tree_top(path, jail.config.uid, jail.config.gid)?;
+        }
+    }
     let root = jail.dir.join("root");
     std::fs::create_dir(&root).map_err(io("make the jail's root", &root))?;
     // pivot_root wants a mount point.
     bind(&root, &root, false)?;
-    let own = needs.iter().map(|share| (share.clone(), true));
+    let own = needs.shares.iter().map(|share| (share.clone(), true));
     let theirs = jail.config.share.iter().map(|p| {
         let share = Share {
             path: p.clone(),
@@ -716,8 +730,8 @@ pub fn lock_down(needs: &[Share]) -> Result<(), JailError> {
     Ok(())
 }
 
-/// Give a directory the VM writes in to the jail's uid (its own disk directory; the files in
-/// it are already open).
+/// Give a path the VM writes in to the jail's uid (its own disk directory, whose files are
+/// already open; its own vsock socket).
 fn chown_tree_top(path: &Path, uid: u32, gid: u32) -> Result<(), JailError> {
     let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| JailError::Share {
         path: path.display().to_string(),

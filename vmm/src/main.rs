@@ -213,6 +213,19 @@ struct ServeArgs {
     /// The manager's control socket (HTTP/1.1 + JSON).
     #[arg(long, value_name = "PATH")]
     sock: PathBuf,
+    /// Run new sandboxes' VMMs as root, unjailed (needed for sandboxes with a network). By
+    /// default each runs jailed (see `mayfly run --jail`), sharing only its own directory.
+    #[arg(long)]
+    no_jail: bool,
+    /// Jailed sandboxes run as uids and gids from this one on, one each (pick a range no
+    /// user or service of the host has).
+    #[arg(
+        long,
+        value_name = "UID",
+        default_value_t = 1_000_000,
+        conflicts_with = "no_jail"
+    )]
+    jail_uid_base: u32,
 }
 
 #[derive(Args)]
@@ -626,6 +639,8 @@ fn serve_sandboxes(args: ServeArgs) -> ExitCode {
         state_dir,
         sock: args.sock,
         mayfly,
+        jail: !args.no_jail,
+        jail_uid_base: args.jail_uid_base,
     };
     match mayfly_vmm::serve::serve(&config, stop_rx) {
         Ok(()) => ExitCode::SUCCESS,

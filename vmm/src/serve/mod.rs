@@ -86,11 +86,20 @@ pub struct ServeConfig {
     pub sock: PathBuf,
     /// The mayfly binary the sandboxes' VMMs run.
     pub mayfly: PathBuf,
+    /// Jail new sandboxes' VMMs (see vmm/src/jail.rs): the default.
+    pub jail: bool,
+    /// Jailed sandboxes run as uids (and gids) from this one on, one each.
+    pub jail_uid_base: u32,
 }
 
 /// Serve until `stop` reads something (or closes): the caller's signal handling.
 pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
-    let manager = Arc::new(Manager::open(&config.state_dir, config.mayfly.clone())?);
+    let manager = Arc::new(Manager::open(
+        &config.state_dir,
+        config.mayfly.clone(),
+        config.jail,
+        config.jail_uid_base,
+    )?);
     manager.recover();
     let claim = crate::api::SocketClaim::new(&config.sock)?;
     let listener = claim.bind()?;
@@ -109,7 +118,7 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
     manager.event(
         "serving",
         "",
-        json!({ "socket": config.sock, "state_dir": config.state_dir }),
+        json!({ "socket": config.sock, "state_dir": config.state_dir, "jail": config.jail }),
     );
     {
         let manager = Arc::clone(&manager);

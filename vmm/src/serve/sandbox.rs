@@ -206,6 +206,14 @@ pub struct Record {
     /// Why it is dead, when it is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub died: Option<String>,
+    /// Whether its VMM runs jailed (`mayfly run|restore --jail`, sharing only this
+    /// sandbox's directory): kept from its create, so its wakes are jailed alike.
+    #[serde(default)]
+    pub jailed: bool,
+    /// The uid and gid its jailed VMM runs as: one of its own (no other sandbox's VMM, and
+    /// nothing else on the host, runs as it), so nothing but its VMM can use its files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
 }
 
 /// A sandbox's running VMM.
@@ -253,6 +261,8 @@ struct Inner {
 pub struct Sandbox {
     pub name: String,
     dir: PathBuf,
+    /// Its jail's uid (also in its record), fixed at its create: read without its lock.
+    uid: Option<u32>,
     inner: Mutex<Inner>,
     /// Requests being passed to its VMM: it is not idle while one runs.
     active: AtomicUsize,
@@ -317,6 +327,8 @@ impl Sandbox {
             "suspends": r.suspends,
             "token": if r.token_sha256.is_some() { "set" } else { "revoked" },
             "died": r.died,
+            "jailed": r.jailed,
+            "uid": r.uid,
         })
     }
 
@@ -461,6 +473,10 @@ fn log_tail(path: &Path) -> String {
 pub struct Manager {
     dir: PathBuf,
     mayfly: PathBuf,
+    /// Whether new sandboxes are jailed (the default; `mayfly serve --no-jail` turns it off).
+    jail: bool,
+    /// Jailed sandboxes run as uids from here on, one each.
+    uid_base: u32,
     admin_hash: String,
     sandboxes: Mutex<BTreeMap<String, Arc<Sandbox>>>,
     pub metrics: Metrics,
@@ -470,7 +486,12 @@ pub struct Manager {
 
 impl Manager {
     /// Open (or make) a state directory: its admin token, its event log, its sandboxes.
-    pub fn open(dir: &Path, mayfly: PathBuf) -> Result<Manager, ServeError> {
+    pub fn open(
+        dir: &Path,
+        mayfly: PathBuf,
+        jail: bool,
+        uid_base: u32,
+    ) -> Result<Manager, ServeError> {
         let io = |what, path: &Path| {
             let path = path.display().to_string();
             move |source| ServeError::Io { what, path, source }
@@ -498,6 +519,8 @@ impl Manager {
         Ok(Manager {
             dir: dir.to_path_buf(),
             mayfly,
+            jail,
+            uid_base,
             admin_hash: hash_token(&admin),
             sandboxes: Mutex::new(BTreeMap::new()),
             metrics: Metrics::default(),
@@ -584,6 +607,7 @@ impl Manager {
             let sandbox = Arc::new(Sandbox {
                 name: name.clone(),
                 dir: dir.clone(),
+                uid: record.uid,
                 inner: Mutex::new(Inner { record, vmm: None }),
                 active: AtomicUsize::new(0),
                 last_used: AtomicU64::new(self.uptime_ms()),
@@ -651,6 +675,14 @@ impl Manager {
             )));
         }
         spec.check().map_err(ServeError::BadRequest)?;
+        if self.jail && spec.net.as_deref().is_some_and(|net| net != "none") {
+            return Err(ServeError::BadRequest(
+                "this manager jails its sandboxes, and a jailed VM cannot have a NIC yet: leave \
+                 \"net\" out, or start the manager with --no-jail to give sandboxes networks \
+                 (their VMMs then run as root)"
+                    .into(),
+            ));
+        }
         let dir = self.dir.join("sandboxes").join(name);
         let sock = dir.join("vm.sock");
         // The vsock socket beside it is the longest path the VMM binds.
@@ -666,39 +698,57 @@ impl Manager {
         }
         let token = new_token("mfs_")?;
         let now = now_ms();
-        let sandbox = Arc::new(Sandbox {
-            name: name.to_owned(),
-            dir: dir.clone(),
-            inner: Mutex::new(Inner {
-                record: Record {
-                    name: name.to_owned(),
-                    spec,
-                    state: State::Starting,
-                    token_sha256: Some(hash_token(&token)),
-                    pid: None,
-                    pid_start: None,
-                    created_ms: now,
-                    last_used_ms: now,
-                    suspended_ms: None,
-                    wakes: 0,
-                    suspends: 0,
-                    died: None,
-                },
-                vmm: None,
-            }),
-            active: AtomicUsize::new(0),
-            last_used: AtomicU64::new(self.uptime_ms()),
-        });
-        // The name is taken (under the map's lock) before anything is made on disk.
-        {
+        // The name is taken (under the map's lock) before anything is made on disk, and a
+        // jailed sandbox gets the lowest uid from the base that no other sandbox has.
+        let sandbox = {
             let mut all = lock(&self.sandboxes);
             if all.contains_key(name) || dir.exists() {
                 return Err(ServeError::Conflict(format!(
                     "a sandbox named {name} exists: pick another name, or delete it first"
                 )));
             }
+            let uid = if self.jail {
+                let taken: std::collections::BTreeSet<u32> =
+                    all.values().filter_map(|s| s.uid).collect();
+                Some(
+                    (self.uid_base..u32::MAX)
+                        .find(|uid| !taken.contains(uid))
+                        .ok_or_else(|| {
+                            ServeError::Conflict("no uid is left for a new sandbox".into())
+                        })?,
+                )
+            } else {
+                None
+            };
+            let sandbox = Arc::new(Sandbox {
+                name: name.to_owned(),
+                dir: dir.clone(),
+                uid,
+                inner: Mutex::new(Inner {
+                    record: Record {
+                        name: name.to_owned(),
+                        spec,
+                        state: State::Starting,
+                        token_sha256: Some(hash_token(&token)),
+                        pid: None,
+                        pid_start: None,
+                        created_ms: now,
+                        last_used_ms: now,
+                        suspended_ms: None,
+                        wakes: 0,
+                        suspends: 0,
+                        died: None,
+                        jailed: self.jail,
+                        uid,
+                    },
+                    vmm: None,
+                }),
+                active: AtomicUsize::new(0),
+                last_used: AtomicU64::new(self.uptime_ms()),
+            });
             all.insert(name.to_owned(), Arc::clone(&sandbox));
-        }
+            sandbox
+        };
         let start = Instant::now();
         let mut inner = lock(&sandbox.inner);
         let made = (|| {
@@ -707,8 +757,26 @@ impl Manager {
                 path: dir.display().to_string(),
                 source,
             })?;
+            if let (true, Some(uid)) = (inner.record.jailed, inner.record.uid) {
+                // The jailed VMM writes its snapshots, disk layers and sockets here.
+                std::os::unix::fs::chown(&dir, Some(uid), Some(uid)).map_err(|source| {
+                    ServeError::Io {
+                        what: "give to the jail's uid",
+                        path: dir.display().to_string(),
+                        source,
+                    }
+                })?;
+                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).map_err(
+                    |source| ServeError::Io {
+                        what: "set the mode of",
+                        path: dir.display().to_string(),
+                        source,
+                    },
+                )?;
+            }
             sandbox.save(&inner)?;
-            let vmm = self.start_vmm(&sandbox, &inner.record.spec, false)?;
+            let jail = inner.record.uid.filter(|_| inner.record.jailed);
+            let vmm = self.start_vmm(&sandbox, &inner.record.spec, jail, false)?;
             inner.record.pid = Some(vmm.pid);
             inner.record.pid_start = start_time(vmm.pid);
             inner.vmm = Some(vmm);
@@ -739,7 +807,13 @@ impl Manager {
 
     /// Start a sandbox's VMM (a boot, or a restore of its own snapshot when `wake`) and wait
     /// for its control socket to answer.
-    fn start_vmm(&self, sandbox: &Sandbox, spec: &Spec, wake: bool) -> Result<Vmm, ServeError> {
+    fn start_vmm(
+        &self,
+        sandbox: &Sandbox,
+        spec: &Spec,
+        jail_uid: Option<u32>,
+        wake: bool,
+    ) -> Result<Vmm, ServeError> {
         let sock = sandbox.socket();
         let log_path = sandbox.dir.join("vmm.log");
         let log = std::fs::OpenOptions::new()
@@ -781,7 +855,21 @@ impl Manager {
             .arg("--api-sock")
             .arg(&sock)
             .arg("--console")
-            .arg(sandbox.dir.join("console.log"))
+            .arg(sandbox.dir.join("console.log"));
+        if let Some(uid) = jail_uid {
+            // Its own directory is all it shares: its snapshot goes there when it sleeps.
+            command
+                .arg("--jail")
+                .arg("--jail-share")
+                .arg(&sandbox.dir)
+                .args([
+                    "--jail-uid",
+                    &uid.to_string(),
+                    "--jail-gid",
+                    &uid.to_string(),
+                ]);
+        }
+        command
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err_log)
@@ -913,7 +1001,8 @@ impl Manager {
     fn wake(&self, sandbox: &Sandbox, inner: &mut Inner) -> Result<(), ServeError> {
         let start = Instant::now();
         let spec = inner.record.spec.clone();
-        match self.start_vmm(sandbox, &spec, true) {
+        let jail = inner.record.uid.filter(|_| inner.record.jailed);
+        match self.start_vmm(sandbox, &spec, jail, true) {
             Ok(vmm) => {
                 inner.record.pid = Some(vmm.pid);
                 inner.record.pid_start = start_time(vmm.pid);
