@@ -81,3 +81,41 @@ fn a_sandbox_wakes_from_disk_with_its_files_and_processes() {
     let (status, _) = m.admin("DELETE", "/sandboxes/box", None);
     assert_eq!(status, 200);
 }
+
+#[test]
+fn a_template_runs_its_setup_once_and_a_failing_setup_says_which_command() {
+    let dir = TestDir::new("serve-template-guest");
+    let m = Manager::start(&dir);
+    let template = json!({ "setup": ["echo built > /root/made", "mkdir -p /srv/app"] });
+    let a = m.create(json!({ "name": "a", "template": template }));
+    let b = m.create(json!({ "name": "b", "template": template }));
+    for (name, token) in [("a", &a), ("b", &b)] {
+        let (code, out) = shell(
+            &m,
+            token,
+            name,
+            "cat /root/made; test -d /srv/app && echo dir",
+        );
+        assert_eq!((code, out.as_str()), (0, "built\ndir\n"), "{name}");
+    }
+    let (status, body) = m.admin(
+        "POST",
+        "/sandboxes",
+        Some(json!({ "name": "c", "template": { "setup": ["true", "echo nope >&2; exit 7"] } })),
+    );
+    assert_eq!(status, 400, "{body}");
+    let error = body["error"].as_str().unwrap();
+    assert!(
+        error.contains("setup command 2")
+            && error.contains("exited with 7")
+            && error.contains("nope"),
+        "{error}"
+    );
+    let (_, list) = m.admin("GET", "/sandboxes", None);
+    assert_eq!(list["sandboxes"].as_array().unwrap().len(), 2, "{list}");
+    let templates: Vec<_> = std::fs::read_dir(m.state.join("templates"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(templates.len(), 1, "a failed template left {templates:?}");
+}

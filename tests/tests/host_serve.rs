@@ -347,7 +347,11 @@ fn two_hundred_parallel_requests_to_fifty_sandboxes_are_all_answered() {
     // Each jailed VMM runs as a uid of its own.
     let uids: std::collections::BTreeSet<u64> = names
         .iter()
-        .map(|n| m.describe(n)["uid"].as_u64().expect("a jailed sandbox's uid"))
+        .map(|n| {
+            m.describe(n)["uid"]
+                .as_u64()
+                .expect("a jailed sandbox's uid")
+        })
         .collect();
     assert_eq!(uids.len(), names.len(), "{uids:?}");
     for name in &names {
@@ -358,4 +362,67 @@ fn two_hundred_parallel_requests_to_fifty_sandboxes_are_all_answered() {
     }
     let (_, list) = m.admin("GET", "/sandboxes", None);
     assert_eq!(list["sandboxes"], json!([]));
+}
+
+#[test]
+fn sandboxes_from_one_template_share_one_build_and_a_changed_input_builds_another() {
+    let dir = TestDir::new("serve-template");
+    let m = Manager::start(&dir);
+    let template = |mem_mib: u64| json!({ "kernel": probe::ELF, "mem_mib": mem_mib, "cmdline": "touch=1", "probe": true });
+    let built = |m: &Manager| {
+        let text = std::fs::read_to_string(m.state.join("events.jsonl")).unwrap();
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|e| e["event"] == "template_built")
+            .map(|e| e["template"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    // Two creates at once from a new template: one build, two restores of it.
+    std::thread::scope(|s| {
+        for name in ["t1", "t2"] {
+            let m = &m;
+            s.spawn(move || m.create(json!({ "name": name, "template": template(64) })));
+        }
+    });
+    assert_eq!(built(&m).len(), 1, "{:?}", built(&m));
+    let key = &built(&m)[0];
+    for name in ["t1", "t2"] {
+        let (status, vm) = m.admin("GET", &format!("/sandboxes/{name}/vm"), None);
+        assert_eq!(status, 200, "{vm}");
+        assert!(
+            vm["origin"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("templates/{key}/snap")),
+            "{vm}"
+        );
+        assert_eq!(vm["name"], name);
+    }
+    // The same again: the cache; another input: another template.
+    m.create(json!({ "name": "t3", "template": template(64) }));
+    assert_eq!(built(&m).len(), 1);
+    m.create(json!({ "name": "t4", "template": template(96) }));
+    let keys = built(&m);
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert_ne!(keys[0], keys[1]);
+    assert_eq!(m.admin("GET", "/sandboxes/t4/vm", None).1["mem_mib"], 96);
+    // A template is the whole machine: nothing beside it but the idle timeout.
+    let (status, body) = m.admin(
+        "POST",
+        "/sandboxes",
+        Some(json!({ "name": "t5", "template": template(64), "mem_mib": 64 })),
+    );
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = m.admin(
+        "POST",
+        "/sandboxes",
+        Some(json!({ "name": "t5", "template": { "kernal": "/x" } })),
+    );
+    assert_eq!(status, 400, "{body}");
+    for name in ["t1", "t2", "t3", "t4"] {
+        assert_eq!(
+            m.admin("DELETE", &format!("/sandboxes/{name}"), None).0,
+            200
+        );
+    }
 }

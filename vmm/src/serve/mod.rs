@@ -27,6 +27,7 @@
 
 mod metrics;
 mod sandbox;
+mod template;
 
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
@@ -399,8 +400,8 @@ fn create(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<(
         (
             400,
             format!(
-                "{e}: a sandbox takes name, snapshot, kernel, initrd, cmdline, mem_mib, vcpus, \
-                 rootfs, net, idle_timeout_s"
+                "{e}: a sandbox takes name, snapshot, template, kernel, initrd, cmdline, mem_mib, \
+                 vcpus, rootfs, net, idle_timeout_s"
             ),
         )
     })?;

@@ -80,11 +80,34 @@ pub struct Spec {
     /// The probe benchmark's guest (gives the VM the probe device).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub probe: bool,
+    /// A template to make it from (see [`super::template`]): a restore of the template's
+    /// snapshot, built once per set of inputs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<super::template::Template>,
 }
 
 impl Spec {
     /// Check what can be checked before anything is made.
     pub fn check(&self) -> Result<(), String> {
+        if let Some(template) = &self.template {
+            if self.snapshot.is_some()
+                || self.kernel.is_some()
+                || self.initrd.is_some()
+                || self.cmdline.is_some()
+                || self.mem_mib.is_some()
+                || self.vcpus.is_some()
+                || self.rootfs.is_some()
+                || self.probe
+                || self.net.is_some()
+            {
+                return Err("a sandbox made from a template takes its machine from the \
+                     template: put kernel, initrd, cmdline, mem_mib, vcpus and rootfs in \
+                     \"template\", and give only \"idle_timeout_s\" beside it (a template's \
+                     sandboxes have no NIC yet)"
+                    .into());
+            }
+            return template.check();
+        }
         if self.snapshot.is_some()
             && (self.kernel.is_some()
                 || self.initrd.is_some()
@@ -217,7 +240,7 @@ pub struct Record {
 }
 
 /// A sandbox's running VMM.
-struct Vmm {
+pub(super) struct Vmm {
     pid: u32,
     pidfd: OwnedFd,
     /// Set when this manager started it (then it reaps it); an adopted VMM's parent is gone.
@@ -250,6 +273,14 @@ impl Vmm {
     fn kill(&mut self) {
         crate::zygote::pidfd_kill(&self.pidfd);
         self.wait_exit(STOP_TIMEOUT);
+    }
+
+    /// Ask it to shut down on its socket; kill it if it has not ended in a few seconds.
+    pub(super) fn stop(&mut self, sock: &Path) {
+        let _ = crate::api::request_with_timeout(sock, "PUT", "/vm/shutdown", None, STOP_TIMEOUT);
+        if !self.wait_exit(STOP_TIMEOUT) {
+            self.kill();
+        }
     }
 }
 
@@ -475,8 +506,10 @@ pub struct Manager {
     mayfly: PathBuf,
     /// Whether new sandboxes are jailed (the default; `mayfly serve --no-jail` turns it off).
     jail: bool,
-    /// Jailed sandboxes run as uids from here on, one each.
+    /// Jailed sandboxes run as uids from here on, one each (templates are built as the one
+    /// below it).
     uid_base: u32,
+    templates: super::template::Templates,
     admin_hash: String,
     sandboxes: Mutex<BTreeMap<String, Arc<Sandbox>>>,
     pub metrics: Metrics,
@@ -521,12 +554,47 @@ impl Manager {
             mayfly,
             jail,
             uid_base,
+            templates: super::template::Templates::new(dir),
             admin_hash: hash_token(&admin),
             sandboxes: Mutex::new(BTreeMap::new()),
             metrics: Metrics::default(),
             events: Mutex::new(events),
             started: Instant::now(),
         })
+    }
+
+    pub(super) fn mayfly(&self) -> &Path {
+        &self.mayfly
+    }
+
+    /// A sandbox no one knows by name, for a VMM of the manager's own (a template's build).
+    pub(super) fn detached_sandbox(&self, name: &str, dir: &Path, uid: Option<u32>) -> Sandbox {
+        Sandbox {
+            name: name.to_owned(),
+            dir: dir.to_path_buf(),
+            uid,
+            inner: Mutex::new(Inner {
+                record: Record {
+                    name: name.to_owned(),
+                    spec: Spec::default(),
+                    state: State::Starting,
+                    token_sha256: None,
+                    pid: None,
+                    pid_start: None,
+                    created_ms: now_ms(),
+                    last_used_ms: now_ms(),
+                    suspended_ms: None,
+                    wakes: 0,
+                    suspends: 0,
+                    died: None,
+                    jailed: uid.is_some(),
+                    uid,
+                },
+                vmm: None,
+            }),
+            active: AtomicUsize::new(0),
+            last_used: AtomicU64::new(self.uptime_ms()),
+        }
     }
 
     fn uptime_ms(&self) -> u64 {
@@ -667,7 +735,7 @@ impl Manager {
 
     /// Make a sandbox and start its VMM; returns its description and its token. Nothing of
     /// it is left if it fails.
-    pub fn create(&self, name: &str, spec: Spec) -> Result<(Value, String), ServeError> {
+    pub fn create(&self, name: &str, mut spec: Spec) -> Result<(Value, String), ServeError> {
         if !valid_name(name) {
             return Err(ServeError::BadRequest(format!(
                 "{name:?} is not a sandbox name: use 1 to 63 lower-case letters, digits and \
@@ -695,6 +763,16 @@ impl Manager {
                 dir.display(),
                 crate::api::MAX_SOCKET_PATH
             )));
+        }
+        if lock(&self.sandboxes).contains_key(name) {
+            return Err(ServeError::Conflict(format!(
+                "a sandbox named {name} exists: pick another name, or delete it first"
+            )));
+        }
+        if let Some(template) = &spec.template {
+            // Built (or found) before the name is taken: a build may take a while.
+            let builder_uid = self.jail.then(|| self.uid_base.saturating_sub(1).max(1));
+            spec.snapshot = Some(self.templates.snapshot_for(self, template, builder_uid)?);
         }
         let token = new_token("mfs_")?;
         let now = now_ms();
@@ -807,7 +885,7 @@ impl Manager {
 
     /// Start a sandbox's VMM (a boot, or a restore of its own snapshot when `wake`) and wait
     /// for its control socket to answer.
-    fn start_vmm(
+    pub(super) fn start_vmm(
         &self,
         sandbox: &Sandbox,
         spec: &Spec,
@@ -1100,10 +1178,7 @@ impl Manager {
         }
         // The snapshot is on disk: the VMM may go however it goes.
         if let Some(mut vmm) = inner.vmm.take() {
-            let _ = vmm_request("PUT", "/vm/shutdown", None);
-            if !vmm.wait_exit(STOP_TIMEOUT) {
-                vmm.kill();
-            }
+            vmm.stop(&sock);
         }
         inner.record.state = State::Suspended;
         inner.record.pid = None;

@@ -1,0 +1,313 @@
+//! Templates: a machine (kernel, initramfs, root filesystem, memory, vCPUs) and the setup
+//! commands run in it through the guest agent, booted once and snapshotted; every sandbox
+//! made from it is a restore of that snapshot, not a boot.
+//!
+//! A template is cached under the hash of its inputs, `<state-dir>/templates/<key>/`: its
+//! options, the identity (device, inode, size, modification time) of each file it names, and
+//! that of the mayfly binary (whose snapshot format it is). A changed input is another key,
+//! so another template. `template.json` is written last: a directory without it is a build
+//! that never finished (a crash), removed and built again. Two creates from one new template
+//! at once build it once.
+
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+use super::sandbox::{lock, write_atomically, Manager, Spec};
+use super::ServeError;
+
+/// How long a template's guest may take until its agent answers (a cold boot in the test rig
+/// takes seconds).
+const AGENT_TIMEOUT: Duration = Duration::from_secs(180);
+/// How long one setup command may run.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(600);
+/// Setup commands per template.
+const MAX_SETUP: usize = 64;
+/// How much of a failed setup command's output its error quotes.
+const QUOTED_OUTPUT: usize = 2000;
+
+/// What `"template"` in a create holds.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Template {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initrd: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmdline: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_mib: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpus: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rootfs: Option<String>,
+    /// The probe benchmark's guest (it has no agent: no setup commands).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub probe: bool,
+    /// Shell commands run in order as root through the agent; each must exit 0.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub setup: Vec<String>,
+}
+
+impl Template {
+    /// The boot this template starts from.
+    fn boot_spec(&self) -> Spec {
+        Spec {
+            kernel: self.kernel.clone(),
+            initrd: self.initrd.clone(),
+            cmdline: self.cmdline.clone(),
+            mem_mib: self.mem_mib,
+            vcpus: self.vcpus,
+            rootfs: self.rootfs.clone(),
+            probe: self.probe,
+            ..Spec::default()
+        }
+    }
+
+    pub fn check(&self) -> Result<(), String> {
+        self.boot_spec().check()?;
+        if self.setup.len() > MAX_SETUP {
+            return Err(format!(
+                "\"setup\" has {} commands; a template takes at most {MAX_SETUP} (join them \
+                 with && or put them in a script)",
+                self.setup.len()
+            ));
+        }
+        if let Some(i) = self.setup.iter().position(|c| c.trim().is_empty()) {
+            return Err(format!("\"setup\" command {} is empty", i + 1));
+        }
+        if self.probe && !self.setup.is_empty() {
+            return Err("the probe guest has no agent to run \"setup\" commands".into());
+        }
+        Ok(())
+    }
+
+    /// The hash of everything that makes this template what it is.
+    fn key(&self, mayfly: &Path) -> String {
+        let mut hash = Sha256::new();
+        hash.update(serde_json::to_vec(self).unwrap_or_default());
+        let rootfs = self
+            .rootfs
+            .as_deref()
+            .filter(|r| *r != "debian")
+            .map(PathBuf::from);
+        for path in [
+            Some(mayfly.to_path_buf()),
+            self.kernel.clone(),
+            self.initrd.clone(),
+            rootfs,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            hash.update(path.as_os_str().as_encoded_bytes());
+            if let Ok(meta) = std::fs::metadata(&path) {
+                for n in [
+                    meta.dev(),
+                    meta.ino(),
+                    meta.size(),
+                    meta.mtime().unsigned_abs(),
+                    meta.mtime_nsec().unsigned_abs(),
+                ] {
+                    hash.update(n.to_le_bytes());
+                }
+            }
+        }
+        hash.finalize()[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+}
+
+/// The template cache and the builds under way.
+pub struct Templates {
+    dir: PathBuf,
+    building: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+}
+
+impl Templates {
+    pub fn new(state_dir: &Path) -> Templates {
+        Templates {
+            dir: state_dir.join("templates"),
+            building: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The snapshot sandboxes of `template` restore: cached, or built now (once, however many
+    /// ask at once).
+    pub fn snapshot_for(
+        &self,
+        manager: &Manager,
+        template: &Template,
+        jail_uid: Option<u32>,
+    ) -> Result<PathBuf, ServeError> {
+        let key = template.key(manager.mayfly());
+        let dir = self.dir.join(&key);
+        let gate = Arc::clone(lock(&self.building).entry(key.clone()).or_default());
+        let _building = lock(&gate);
+        if dir.join("template.json").is_file() && dir.join("snap").is_dir() {
+            manager.event("template_used", "", json!({ "template": key }));
+            return Ok(dir.join("snap"));
+        }
+        // A build that never finished (the manager died under it).
+        let _ = std::fs::remove_dir_all(&dir);
+        let start = Instant::now();
+        let built = self.build(manager, template, &key, &dir, jail_uid);
+        if let Err(e) = &built {
+            let _ = std::fs::remove_dir_all(&dir);
+            manager.event(
+                "template_failed",
+                "",
+                json!({ "template": key, "error": e.to_string() }),
+            );
+        }
+        built?;
+        manager.event(
+            "template_built",
+            "",
+            json!({
+                "template": key,
+                "ms": start.elapsed().as_secs_f64() * 1e3,
+                "setup_commands": template.setup.len(),
+            }),
+        );
+        Ok(dir.join("snap"))
+    }
+
+    fn build(
+        &self,
+        manager: &Manager,
+        template: &Template,
+        key: &str,
+        dir: &Path,
+        jail_uid: Option<u32>,
+    ) -> Result<(), ServeError> {
+        let io = |what, source| ServeError::Io {
+            what,
+            path: dir.display().to_string(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(|e| io("make", e))?;
+        if let Some(uid) = jail_uid {
+            std::os::unix::fs::chown(dir, Some(uid), Some(uid))
+                .map_err(|e| io("give to the jail's uid", e))?;
+        }
+        let builder = manager.detached_sandbox(&format!("template-{key}"), dir, jail_uid);
+        let mut vmm = manager.start_vmm(&builder, &template.boot_spec(), jail_uid, false)?;
+        let sock = builder.socket();
+        let result = (|| {
+            if !template.setup.is_empty() {
+                wait_for_agent(&sock)?;
+            }
+            for (i, command) in template.setup.iter().enumerate() {
+                run_setup(&sock, i + 1, command)?;
+            }
+            let request = |method: &str, path: &str, body: Option<serde_json::Value>| {
+                match crate::api::request_with_timeout(
+                    &sock,
+                    method,
+                    path,
+                    body.as_ref(),
+                    Duration::from_secs(120),
+                ) {
+                    Ok((status, _)) if status < 300 => Ok(()),
+                    Ok((status, body)) => Err(ServeError::VmmFailed(format!(
+                        "the template's VM answered {method} {path} with {status}: {body}"
+                    ))),
+                    Err(e) => Err(ServeError::VmmFailed(format!(
+                        "the template's VM did not answer {method} {path}: {e}"
+                    ))),
+                }
+            };
+            request("PUT", "/vm/pause", None)?;
+            request(
+                "PUT",
+                "/vm/snapshot",
+                Some(json!({ "path": dir.join("snap") })),
+            )
+        })();
+        vmm.stop(&sock);
+        result?;
+        write_atomically(
+            &dir.join("template.json"),
+            &serde_json::to_vec_pretty(&json!({ "key": key, "template": template }))
+                .unwrap_or_default(),
+        )
+    }
+}
+
+/// Wait until the template's guest agent runs commands.
+fn wait_for_agent(sock: &Path) -> Result<(), ServeError> {
+    let deadline = Instant::now() + AGENT_TIMEOUT;
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        match crate::api::request_with_timeout(
+            sock,
+            "POST",
+            "/vm/exec",
+            Some(&json!({ "argv": ["true"] })),
+            Duration::from_secs(10),
+        ) {
+            Ok((200, body)) if body["exit"]["exit_code"] == 0 => return Ok(()),
+            Ok((status, body)) => last = format!("{status} {body}"),
+            Err(e) => last = e.to_string(),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err(ServeError::VmmFailed(format!(
+        "the template's guest agent did not answer within {} s (last: {last}); a template's \
+         guest must run mayfly-agent, as the built-in one does",
+        AGENT_TIMEOUT.as_secs()
+    )))
+}
+
+/// The tail of a command's output, for an error.
+fn tail(text: &str) -> &str {
+    let mut start = text.len().saturating_sub(QUOTED_OUTPUT);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    text[start..].trim()
+}
+
+fn run_setup(sock: &Path, n: usize, command: &str) -> Result<(), ServeError> {
+    let timeout_ms = u64::try_from(SETUP_TIMEOUT.as_millis()).unwrap_or(u64::MAX);
+    let answer = crate::api::request_with_timeout(
+        sock,
+        "POST",
+        "/vm/exec",
+        Some(&json!({ "shell": command, "timeout_ms": timeout_ms })),
+        SETUP_TIMEOUT + Duration::from_secs(30),
+    );
+    let failed = |how: String| {
+        ServeError::BadRequest(format!(
+            "the template's setup command {n} ({command:?}) {how}: the template is not made"
+        ))
+    };
+    match answer {
+        Ok((200, body)) if body["exit"]["exit_code"] == 0 => Ok(()),
+        Ok((200, body)) => {
+            let exit = &body["exit"];
+            let how = match (exit["exit_code"].as_i64(), exit["signal"].as_i64()) {
+                (Some(code), _) => format!("exited with {code}"),
+                (None, Some(sig)) => format!("was killed by signal {sig}"),
+                _ => format!("failed: {}", exit["error"]),
+            };
+            Err(failed(format!(
+                "{how}; stdout: {:?}; stderr: {:?}",
+                tail(body["stdout"].as_str().unwrap_or_default()),
+                tail(body["stderr"].as_str().unwrap_or_default())
+            )))
+        }
+        Ok((status, body)) => Err(failed(format!("could not run ({status}: {body})"))),
+        Err(e) => Err(failed(format!("could not run ({e})"))),
+    }
+}
