@@ -34,7 +34,7 @@ done
 packages=(
     linux-source-6.1 build-essential flex bison bc libelf-dev libssl-dev cpio xz-utils
     busybox-static libclang-dev util-linux python3 mmdebstrap e2fsprogs
-    iproute2 nftables
+    iproute2 nftables curl
 )
 missing=()
 for p in "${packages[@]}"; do

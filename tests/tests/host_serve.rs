@@ -24,7 +24,7 @@ fn an_idle_sandbox_sleeps_to_disk_and_wakes_on_the_next_request_with_its_memory(
     assert_eq!(body["name"], "sleepy");
     // Jailed by default, sharing only its own directory, as an unprivileged uid.
     assert_eq!(vm["jailed"], true, "{vm}");
-    let own_dir = m.state.join("sandboxes/sleepy");
+    let own_dir = m.state.join("sandboxes/sleepy/vm");
     assert_eq!(body["jail"]["shared"], json!([own_dir]), "{body}");
     let vmm_pid = body["pid"].as_u64().unwrap();
     let status_file = std::fs::read_to_string(format!("/proc/{vmm_pid}/status")).unwrap();
@@ -45,7 +45,7 @@ fn an_idle_sandbox_sleeps_to_disk_and_wakes_on_the_next_request_with_its_memory(
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(m.state.join("sandboxes/sleepy/snap").is_dir());
+    assert!(m.state.join("sandboxes/sleepy/vm/snap").is_dir());
 
     // Two requests at once while it sleeps: one wake, both answered.
     let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
@@ -205,6 +205,11 @@ fn kill_9_of_the_manager_loses_nothing() {
     assert!(alive(awake_pid));
     // SAFETY: kill(2) of a VMM this test made.
     unsafe { libc::kill(libc::pid_t::try_from(doomed_pid).unwrap(), libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while alive(doomed_pid) {
+        assert!(Instant::now() < deadline, "the killed VMM lives on");
+        std::thread::sleep(Duration::from_millis(10));
+    }
 
     let m = Manager::start(&dir);
     let awake = m.describe("awake");
@@ -393,7 +398,7 @@ fn sandboxes_from_one_template_share_one_build_and_a_changed_input_builds_anothe
             vm["origin"]
                 .as_str()
                 .unwrap()
-                .contains(&format!("templates/{key}/snap")),
+                .contains(&format!("templates/{key}/vm/snap")),
             "{vm}"
         );
         assert_eq!(vm["name"], name);
@@ -425,4 +430,87 @@ fn sandboxes_from_one_template_share_one_build_and_a_changed_input_builds_anothe
             200
         );
     }
+}
+
+#[test]
+fn a_vmm_that_dies_after_a_wake_is_reported_not_rolled_back_behind_the_users_back() {
+    let dir = TestDir::new("serve-death");
+    let m = Manager::start(&dir);
+    let token = m.create_probe("fragile", None);
+    assert_eq!(m.admin("PUT", "/sandboxes/fragile/pause", None).0, 200);
+    assert_eq!(m.admin("PUT", "/sandboxes/fragile/resume", None).0, 200);
+    // Its VMM dies after the wake: what ran since the snapshot is gone.
+    let pid = m.describe("fragile")["pid"].as_u64().unwrap();
+    // SAFETY: kill(2) of a VMM this test's manager started.
+    unsafe { libc::kill(libc::pid_t::try_from(pid).unwrap(), libc::SIGKILL) };
+    // The manager notices (its watch looks every 250 ms; a request would too).
+    m.wait_state("fragile", "dead", Duration::from_secs(10));
+    let (status, body) = call(&m.sock, Some(&token), "GET", "/sandboxes/fragile/vm", None);
+    assert_eq!(
+        status, 409,
+        "a request woke the old snapshot silently: {body}"
+    );
+    let error = body["error"].as_str().unwrap();
+    assert!(
+        error.contains("is dead") && error.contains("resume goes back"),
+        "{error}"
+    );
+    assert_eq!(m.describe("fragile")["state"], "dead");
+    // Going back to the snapshot is the user's call.
+    let (status, body) = call(
+        &m.sock,
+        Some(&token),
+        "PUT",
+        "/sandboxes/fragile/resume",
+        None,
+    );
+    assert_eq!(
+        (status, body["state"].as_str()),
+        (200, Some("running")),
+        "{body}"
+    );
+    assert_eq!(m.events("back_to_snapshot", "fragile"), 1);
+    // A sandbox's own token may not write snapshots where it likes.
+    let (status, body) = call(
+        &m.sock,
+        Some(&token),
+        "PUT",
+        "/sandboxes/fragile/vm/snapshot",
+        Some(json!({ "path": "/tmp/elsewhere" })),
+    );
+    assert_eq!(status, 403, "{body}");
+}
+
+#[test]
+fn a_link_planted_in_a_sleeping_sandboxs_snapshot_is_never_followed() {
+    let dir = TestDir::new("serve-link");
+    let m = Manager::start(&dir);
+    m.create_probe("victim", None);
+    m.create_probe("attacker", None);
+    for name in ["victim", "attacker"] {
+        assert_eq!(
+            m.admin("PUT", &format!("/sandboxes/{name}/pause"), None).0,
+            200
+        );
+    }
+    // What a compromised jailed VMM could leave in its own vm/ directory: its snapshot
+    // swapped for a link to another sandbox's.
+    let own = m.state.join("sandboxes/attacker/vm/snap");
+    std::fs::remove_dir_all(&own).unwrap();
+    std::os::unix::fs::symlink(m.state.join("sandboxes/victim/vm/snap"), &own).unwrap();
+    let (status, body) = m.admin("PUT", "/sandboxes/attacker/resume", None);
+    assert_eq!(status, 502, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("not a plain file or directory"),
+        "{body}"
+    );
+    assert_eq!(m.describe("attacker")["state"], "suspended");
+    // The record, logs and sockets are root's, outside what the jail shares.
+    use std::os::unix::fs::MetadataExt;
+    let sandbox_dir = std::fs::metadata(m.state.join("sandboxes/victim")).unwrap();
+    assert_eq!((sandbox_dir.uid(), sandbox_dir.mode() & 0o777), (0, 0o700));
+    assert_eq!(m.admin("PUT", "/sandboxes/victim/resume", None).0, 200);
 }

@@ -318,6 +318,11 @@ pub fn enter(config: JailConfig, name: &str, sockets: Vec<PathBuf>) -> Result<()
             let _ =
                 nix::sys::signal::pthread_sigmask(SigmaskHow::SIG_UNBLOCK, Some(&unblock), None);
             crate::trace::event("jail_forked");
+            // Set while the process has one thread, so that every thread it starts has it.
+            // SAFETY: prctl(PR_SET_NO_NEW_PRIVS) has no memory effects.
+            if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+                return Err(sys("forbid new privileges")(nix::Error::last()));
+            }
             let host_pid = read_host_pid()?;
             join_cgroup(cgroup.as_deref())?;
             unshare(
@@ -652,6 +657,17 @@ pub fn lock_down(needs: &Needs) -> Result<(), JailError> {
             continue;
         };
         let inside = root.join(share.path.strip_prefix("/").unwrap_or(&share.path));
+        if ours && meta.is_dir() && meta.permissions().mode() & 0o002 != 0 {
+            // Shared whole, a directory anyone writes (/tmp) would bring every socket and
+            // file others put there into the jail.
+            return Err(JailError::Share {
+                path: share.path.display().to_string(),
+                problem: "holds the VM's vsock socket and anyone may write it (like /tmp): the \
+                          jail would share it whole; put the VM's sockets (--api-sock, --vsock) \
+                          in a directory of their own"
+                    .into(),
+            });
+        }
         if meta.is_dir() {
             std::fs::create_dir_all(&inside).map_err(io("make a mount point", &inside))?;
             if share.writable && ours {
@@ -713,11 +729,6 @@ pub fn lock_down(needs: &Needs) -> Result<(), JailError> {
     nix::unistd::setresuid(uid, uid, uid).map_err(sys(format!("become uid {uid}")))?;
     die_with_waiter(&jail.waiter);
     crate::trace::event("jail_locked");
-    // SAFETY: prctl(PR_SET_NO_NEW_PRIVS) has no memory effects; the threads started from
-    // here (the vCPUs) inherit it.
-    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
-        return Err(sys("forbid new privileges")(nix::Error::last()));
-    }
     // A change of uid makes the process undumpable, and its /proc/self files then belong to
     // root: the VMM could no longer read its own page map (which snapshots read). Nothing
     // else of its uid can see it (its PID namespace holds only it).

@@ -60,6 +60,8 @@ pub enum ServeError {
     Conflict(String),
     #[error("{0}")]
     VmmFailed(String),
+    #[error("{0}")]
+    Busy(String),
     #[error("cannot {what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -77,6 +79,7 @@ impl ServeError {
             ServeError::NotFound(_) => 404,
             ServeError::Conflict(_) => 409,
             ServeError::VmmFailed(_) => 502,
+            ServeError::Busy(_) => 503,
             ServeError::Io { .. } | ServeError::Api(_) => 500,
         }
     }
@@ -245,6 +248,12 @@ fn connection(manager: &Manager, stream: UnixStream) {
 
 type Refused = (u16, String);
 
+/// The VM routes only the admin token reaches through the manager.
+const ADMIN_VM_ROUTES: [&str; 3] = ["/vm/snapshot", "/vm/net/policy", "/vm/net/expose"];
+
+/// How long the manager waits for a client to take the answer it streams.
+const CLIENT_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
+
 fn refused(e: ServeError) -> Refused {
     (e.status(), e.to_string())
 }
@@ -252,18 +261,18 @@ fn refused(e: ServeError) -> Refused {
 const NO_TOKEN: &str = "this request needs a token: send Authorization: Bearer TOKEN (the \
     sandbox's, from its create, or the admin token in <state-dir>/admin.token)";
 
-/// Whom the request's token speaks for: the admin, or the sandbox it names.
+/// Whom the request's token speaks for: the admin (true), or the sandbox it names (false).
 fn check_token(
     manager: &Manager,
     request: &Request,
     sandbox: Option<&sandbox::Sandbox>,
     admin_only: bool,
-) -> Result<(), Refused> {
+) -> Result<bool, Refused> {
     let Some(token) = bearer(request) else {
         return Err((401, NO_TOKEN.into()));
     };
     if manager.is_admin(token) {
-        return Ok(());
+        return Ok(true);
     }
     if admin_only {
         return Err((
@@ -272,7 +281,7 @@ fn check_token(
         ));
     }
     match sandbox {
-        Some(sandbox) if sandbox.token_is(token) => Ok(()),
+        Some(sandbox) if sandbox.token_is(token) => Ok(false),
         _ => Err((
             403,
             "the token is not this sandbox's (or was revoked): use the sandbox's own token or \
@@ -332,7 +341,7 @@ fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<()
         ));
     };
     let admin_only = tail == "token";
-    check_token(manager, request, Some(&sandbox), admin_only)?;
+    let admin = check_token(manager, request, Some(&sandbox), admin_only)?;
     match (method, tail) {
         ("GET", "") => reply(stream, 200, &sandbox.describe(manager)),
         ("DELETE", "") => {
@@ -344,7 +353,7 @@ fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<()
             reply(stream, 200, &sandbox.describe(manager));
         }
         ("PUT", "resume") => {
-            manager.ensure_running(&sandbox).map_err(refused)?;
+            manager.ensure_running(&sandbox, true).map_err(refused)?;
             reply(stream, 200, &sandbox.describe(manager));
         }
         ("PUT", "token") => {
@@ -368,6 +377,14 @@ fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<()
                     format!("no such route: {path} (a sandbox's VM is under /sandboxes/{name}/vm)"),
                 ));
             };
+            // What a sandbox's own token may not do to its VM: write a snapshot where it
+            // chooses (over another sandbox's, say) or change the network the admin set.
+            if !admin && ADMIN_VM_ROUTES.contains(&vm.as_str()) {
+                return Err((
+                    403,
+                    format!("{vm} needs the admin token: a sandbox's own token cannot change where its snapshots go or what its network allows"),
+                ));
+            }
             return pass_to_vmm(manager, &sandbox, request, &vm, stream);
         }
     }
@@ -506,7 +523,9 @@ fn pass_to_vmm(
             );
             return;
         }
-        let _ = client.set_write_timeout(None);
+        // A client that stops reading is cut after a while: it holds a connection and keeps
+        // the sandbox from going idle.
+        let _ = client.set_write_timeout(Some(CLIENT_WRITE_TIMEOUT));
         if (&mut &*client).write_all(&first[..n]).is_ok() {
             let _ = std::io::copy(&mut &vmm, &mut &*client);
         }

@@ -38,6 +38,13 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Requests the manager sends a VMM (pause, snapshot, shutdown).
 const VMM_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// Requests passed to one sandbox's VMM at once: a VMM that stalls holds at most these of the
+/// manager's connections.
+const MAX_REQUESTS_PER_SANDBOX: usize = 64;
+
+/// The longest idle timeout: a year.
+const MAX_IDLE_TIMEOUT_S: u64 = 365 * 86_400;
+
 /// The record's file name in a sandbox's directory.
 const RECORD: &str = "sandbox.json";
 
@@ -144,6 +151,12 @@ impl Spec {
         if self.idle_timeout_s == Some(0) {
             return Err("\"idle_timeout_s\" must be at least 1 (leave it out for never)".into());
         }
+        if self.idle_timeout_s.is_some_and(|t| t > MAX_IDLE_TIMEOUT_S) {
+            return Err(format!(
+                "\"idle_timeout_s\" must be at most {MAX_IDLE_TIMEOUT_S} (a year; leave it out \
+                 for never)"
+            ));
+        }
         Ok(())
     }
 
@@ -247,6 +260,22 @@ pub(super) struct Vmm {
     child: Option<Child>,
 }
 
+/// Send `signal` to the process behind `pidfd` (nothing happens once it has ended, even if
+/// its pid is used again).
+fn pidfd_signal(pidfd: &OwnedFd, signal: libc::c_int) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: pidfd_send_signal on a pidfd this process owns, with no siginfo.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            signal,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+}
+
 /// Whether `fd` becomes readable within `timeout` (a pidfd does once its process exited).
 fn readable(fd: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> bool {
     let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
@@ -270,9 +299,14 @@ impl Vmm {
         gone
     }
 
+    /// End it: SIGTERM first (a jailed VMM's waiter hands it on and then clears the jail's
+    /// directory and cgroup), SIGKILL if it has not ended within a few seconds.
     fn kill(&mut self) {
-        crate::zygote::pidfd_kill(&self.pidfd);
-        self.wait_exit(STOP_TIMEOUT);
+        pidfd_signal(&self.pidfd, libc::SIGTERM);
+        if !self.wait_exit(STOP_TIMEOUT) {
+            crate::zygote::pidfd_kill(&self.pidfd);
+            self.wait_exit(STOP_TIMEOUT);
+        }
     }
 
     /// Ask it to shut down on its socket; kill it if it has not ended in a few seconds.
@@ -295,6 +329,9 @@ pub struct Sandbox {
     /// Its jail's uid (also in its record), fixed at its create: read without its lock.
     uid: Option<u32>,
     inner: Mutex<Inner>,
+    /// The record as last saved: what describe, list, metrics and token checks read, so they
+    /// never wait behind a wake or a suspend (which hold `inner` for as long as they take).
+    view: Mutex<Record>,
     /// Requests being passed to its VMM: it is not idle while one runs.
     active: AtomicUsize,
     /// The manager's monotonic clock at its last request, in ms since the manager started.
@@ -319,27 +356,45 @@ impl Sandbox {
         self.last_used.store(manager.uptime_ms(), Ordering::SeqCst);
     }
 
+    fn new(dir: PathBuf, record: Record, manager: &Manager) -> Sandbox {
+        Sandbox {
+            name: record.name.clone(),
+            dir,
+            uid: record.uid,
+            view: Mutex::new(record.clone()),
+            inner: Mutex::new(Inner { record, vmm: None }),
+            active: AtomicUsize::new(0),
+            last_used: AtomicU64::new(manager.uptime_ms()),
+        }
+    }
+
+    /// Its VMM's control socket, in `sock/`: a directory of root's that the jail sees
+    /// read-only (the VMM's vsock sockets are there too).
     pub fn socket(&self) -> PathBuf {
-        self.dir.join("vm.sock")
+        self.dir.join("sock").join("vm.sock")
+    }
+
+    /// What its jailed VMM shares and writes: `vm/`, its uid's, holding its snapshot and its
+    /// disk layers. Everything else of the sandbox (its record, logs, console) is root's, so
+    /// nothing a compromised VMM writes can steer what root opens.
+    fn vm_dir(&self) -> PathBuf {
+        self.dir.join("vm")
     }
 
     fn snapshot_dir(&self) -> PathBuf {
-        self.dir.join("snap")
+        self.vm_dir().join("snap")
     }
 
     /// Whether `token` is this sandbox's (and it has not been revoked).
     pub fn token_is(&self, token: &str) -> bool {
-        let inner = lock(&self.inner);
-        inner
-            .record
+        lock(&self.view)
             .token_sha256
             .as_deref()
             .is_some_and(|hash| same(hash.as_bytes(), hash_token(token).as_bytes()))
     }
 
     pub fn describe(&self, manager: &Manager) -> Value {
-        let inner = lock(&self.inner);
-        let r = &inner.record;
+        let r = lock(&self.view).clone();
         let idle_ms = manager
             .uptime_ms()
             .saturating_sub(self.last_used.load(Ordering::SeqCst));
@@ -347,7 +402,7 @@ impl Sandbox {
             "name": r.name,
             "state": r.state.name(),
             "spec": r.spec,
-            "pid": inner.vmm.as_ref().map(|v| v.pid),
+            "pid": r.pid,
             "socket": self.socket(),
             "console": self.dir.join("console.log"),
             "created_ms": r.created_ms,
@@ -364,6 +419,7 @@ impl Sandbox {
     }
 
     fn save(&self, inner: &Inner) -> Result<(), ServeError> {
+        *lock(&self.view) = inner.record.clone();
         write_atomically(
             &self.dir.join(RECORD),
             &serde_json::to_vec_pretty(&inner.record).unwrap_or_default(),
@@ -449,12 +505,17 @@ pub fn valid_name(name: &str) -> bool {
         && !name.ends_with('-')
 }
 
-/// Field 22 of /proc/PID/stat: when the process started, in clock ticks since boot.
+/// Field 22 of /proc/PID/stat: when the process started, in clock ticks since boot; None
+/// for no such process, or one that has ended (a zombie not reaped yet).
 fn start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) is in parentheses and may hold anything: split after it.
     let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    let mut fields = rest.split_whitespace();
+    if matches!(fields.next(), Some("Z" | "X" | "x")) {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
 }
 
 /// Resident memory of a process, in bytes.
@@ -467,6 +528,56 @@ fn rss_bytes(pid: u32) -> u64 {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
         .map_or(0, |kib| kib << 10)
+}
+
+/// Resident memory of a process and its children (a jailed VMM is its waiter's child).
+fn rss_tree_bytes(pid: u32) -> u64 {
+    let children =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    rss_bytes(pid)
+        + children
+            .split_whitespace()
+            .filter_map(|c| c.parse::<u32>().ok())
+            .map(rss_bytes)
+            .sum::<u64>()
+}
+
+/// Refuse a snapshot (or disk directory) a jailed VMM wrote if anything in it is not a plain
+/// directory or file: root opens it next, and a symbolic link planted there would have root
+/// open what the link names (another sandbox's snapshot, any file of the host). Nothing of
+/// that VMM's uid runs any more when this is called (the VMM is gone, and its uid is its
+/// own), so what is checked stays as it is.
+fn check_plain(path: &Path) -> Result<(), ServeError> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(source) => {
+            return Err(ServeError::Io {
+                what: "check",
+                path: path.display().to_string(),
+                source,
+            })
+        }
+    };
+    if meta.is_file() {
+        return Ok(());
+    }
+    if !meta.is_dir() {
+        return Err(ServeError::VmmFailed(format!(
+            "{} is not a plain file or directory (a link or device a VMM made?): the sandbox \
+             will not be restored from it; delete the sandbox",
+            path.display()
+        )));
+    }
+    let entries = std::fs::read_dir(path).map_err(|source| ServeError::Io {
+        what: "read",
+        path: path.display().to_string(),
+        source,
+    })?;
+    for entry in entries.flatten() {
+        check_plain(&entry.path())?;
+    }
+    Ok(())
 }
 
 /// Bytes allocated on disk under `path`.
@@ -486,6 +597,31 @@ fn disk_bytes(path: &Path) -> u64 {
         .flatten()
         .map(|e| disk_bytes(&e.path()))
         .sum::<u64>()
+}
+
+/// Make a sandbox's (or template's) directories: its own (root's, 0700: record, logs,
+/// console), `sock/` (root's, 0755: the jail sees it read-only) and `vm/` (the jail's uid's,
+/// 0700: what the jailed VMM writes).
+pub(super) fn make_dirs(dir: &Path, jail_uid: Option<u32>) -> Result<(), ServeError> {
+    let io = |what, path: &Path| {
+        let path = path.display().to_string();
+        move |source| ServeError::Io { what, path, source }
+    };
+    for (path, mode) in [
+        (dir.to_path_buf(), 0o700),
+        (dir.join("sock"), 0o755),
+        (dir.join("vm"), 0o700),
+    ] {
+        std::fs::create_dir(&path).map_err(io("make", &path))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
+            .map_err(io("set the mode of", &path))?;
+    }
+    if let Some(uid) = jail_uid {
+        let vm = dir.join("vm");
+        std::os::unix::fs::chown(&vm, Some(uid), Some(uid))
+            .map_err(io("give to the jail's uid", &vm))?;
+    }
+    Ok(())
 }
 
 /// The last lines of a VMM's log, for an error message.
@@ -569,31 +705,60 @@ impl Manager {
 
     /// A sandbox no one knows by name, for a VMM of the manager's own (a template's build).
     pub(super) fn detached_sandbox(&self, name: &str, dir: &Path, uid: Option<u32>) -> Sandbox {
-        Sandbox {
+        let record = Record {
             name: name.to_owned(),
-            dir: dir.to_path_buf(),
+            spec: Spec::default(),
+            state: State::Starting,
+            token_sha256: None,
+            pid: None,
+            pid_start: None,
+            created_ms: now_ms(),
+            last_used_ms: now_ms(),
+            suspended_ms: None,
+            wakes: 0,
+            suspends: 0,
+            died: None,
+            jailed: uid.is_some(),
             uid,
-            inner: Mutex::new(Inner {
-                record: Record {
-                    name: name.to_owned(),
-                    spec: Spec::default(),
-                    state: State::Starting,
-                    token_sha256: None,
-                    pid: None,
-                    pid_start: None,
-                    created_ms: now_ms(),
-                    last_used_ms: now_ms(),
-                    suspended_ms: None,
-                    wakes: 0,
-                    suspends: 0,
-                    died: None,
-                    jailed: uid.is_some(),
-                    uid,
-                },
-                vmm: None,
-            }),
-            active: AtomicUsize::new(0),
-            last_used: AtomicU64::new(self.uptime_ms()),
+        };
+        Sandbox::new(dir.to_path_buf(), record, self)
+    }
+
+    /// Save a detached sandbox's VMM in its record right after it started (see
+    /// [`Manager::start_vmm`]), so that a manager killed meanwhile can end it at its restart.
+    pub(super) fn save_started(
+        sandbox: &Sandbox,
+        pid: u32,
+        start: Option<u64>,
+    ) -> Result<(), ServeError> {
+        let mut inner = lock(&sandbox.inner);
+        inner.record.pid = Some(pid);
+        inner.record.pid_start = start;
+        sandbox.save(&inner)
+    }
+
+    /// End the VMMs of template builds a killed manager left, and remove those builds.
+    fn remove_unfinished_templates(&self) {
+        let Ok(entries) = std::fs::read_dir(self.dir.join("templates")) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let dir = entry.path();
+            if dir.join("template.json").is_file() {
+                continue;
+            }
+            let record: Option<Record> = std::fs::read(dir.join(RECORD))
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok());
+            if let Some(mut vmm) = record.as_ref().and_then(find_process) {
+                vmm.kill();
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+            self.event(
+                "template_removed",
+                "",
+                json!({ "template": entry.file_name().to_string_lossy(), "why": "its build never finished" }),
+            );
         }
     }
 
@@ -630,12 +795,12 @@ impl Manager {
         let mut counts = [0usize; State::ALL.len()];
         let mut memory = 0;
         for sandbox in &all {
-            let inner = lock(&sandbox.inner);
-            if let Some(i) = State::ALL.iter().position(|s| *s == inner.record.state) {
+            let view = lock(&sandbox.view).clone();
+            if let Some(i) = State::ALL.iter().position(|s| *s == view.state) {
                 counts[i] += 1;
             }
-            if let Some(vmm) = &inner.vmm {
-                memory += rss_bytes(vmm.pid);
+            if let (State::Running, Some(pid)) = (view.state, view.pid) {
+                memory += rss_tree_bytes(pid);
             }
         }
         Gauges {
@@ -652,13 +817,14 @@ impl Manager {
     /// Rebuild the view from the records on disk (at start): adopt the VMMs that still run,
     /// keep the suspended, finish what a crash interrupted.
     pub fn recover(&self) {
+        self.remove_unfinished_templates();
         let Ok(entries) = std::fs::read_dir(self.dir.join("sandboxes")) else {
             return;
         };
         for entry in entries.flatten() {
             let dir = entry.path();
             let name = entry.file_name().to_string_lossy().into_owned();
-            if !valid_name(&name) || !dir.is_dir() {
+            if !valid_name(&name) || !entry.file_type().is_ok_and(|t| t.is_dir()) {
                 continue;
             }
             let record: Record = match std::fs::read(dir.join(RECORD))
@@ -672,23 +838,27 @@ impl Manager {
                     continue;
                 }
             };
-            let sandbox = Arc::new(Sandbox {
-                name: name.clone(),
-                dir: dir.clone(),
-                uid: record.uid,
-                inner: Mutex::new(Inner { record, vmm: None }),
-                active: AtomicUsize::new(0),
-                last_used: AtomicU64::new(self.uptime_ms()),
-            });
+            let sandbox = Arc::new(Sandbox::new(dir.clone(), record, self));
             let mut inner = lock(&sandbox.inner);
-            let vmm = adopt(&inner.record, &sandbox.socket());
-            let has_snapshot = sandbox.snapshot_dir().join("state.bin").exists()
-                || sandbox.snapshot_dir().is_dir();
-            let outcome = match (inner.record.state, vmm) {
-                (State::Starting | State::Deleting, vmm) => {
+            // The process the record names, if it still is that process (same pid, same
+            // start time): saved right after each VMM was started, so none is ever lost.
+            let process = find_process(&inner.record);
+            let answers = process.is_some()
+                && matches!(
+                    crate::api::request_with_timeout(
+                        &sandbox.socket(),
+                        "GET",
+                        "/vm",
+                        None,
+                        Duration::from_secs(5)
+                    ),
+                    Ok((200, _))
+                );
+            let outcome = match (inner.record.state, process) {
+                (State::Starting | State::Deleting, process) => {
                     // A create that never answered, or a delete that never finished: finish
                     // removing it.
-                    if let Some(mut vmm) = vmm {
+                    if let Some(mut vmm) = process {
                         vmm.kill();
                     }
                     let _ = std::fs::remove_dir_all(&dir);
@@ -699,26 +869,35 @@ impl Manager {
                     );
                     continue;
                 }
-                (State::Running | State::Suspending, Some(vmm)) => {
+                (State::Running | State::Suspending, Some(vmm)) if answers => {
+                    if inner.record.state == State::Suspending {
+                        // A suspend cut short: the VM may be paused; it carries on instead.
+                        let _ = crate::api::request_with_timeout(
+                            &sandbox.socket(),
+                            "PUT",
+                            "/vm/resume",
+                            None,
+                            Duration::from_secs(5),
+                        );
+                    }
                     inner.vmm = Some(vmm);
                     inner.record.state = State::Running;
                     "adopted"
                 }
-                (State::Running | State::Suspending, None) if has_snapshot => {
-                    inner.record.state = State::Suspended;
-                    inner.record.pid = None;
-                    "vmm_gone_suspended"
-                }
-                (State::Running | State::Suspending, None) => {
-                    inner.record.state = State::Dead;
-                    inner.record.pid = None;
-                    inner.record.died = Some("its VMM ended while the manager was away".into());
-                    "vmm_gone_dead"
+                (State::Running | State::Suspending, process) => {
+                    // Its VMM ended (or no longer answers) while the manager was away.
+                    if let Some(mut vmm) = process {
+                        vmm.kill();
+                    }
+                    self.mark_dead(&sandbox, &mut inner.record, "while the manager was away");
+                    "vmm_gone"
                 }
                 (State::Suspended | State::Dead, Some(mut vmm)) => {
-                    // Should not run: a VMM of a sandbox the record says sleeps.
+                    // A wake the manager did not see through: it is asleep again.
                     vmm.kill();
-                    "stray_vmm_killed"
+                    inner.record.pid = None;
+                    inner.record.pid_start = None;
+                    "unfinished_wake_undone"
                 }
                 (state, None) => state.name(),
             };
@@ -731,6 +910,36 @@ impl Manager {
             drop(inner);
             lock(&self.sandboxes).insert(name, Arc::clone(&sandbox));
         }
+    }
+
+    /// A sandbox whose VMM ended without being asked is dead: what ran since its last wake is
+    /// gone. Its last snapshot (if it has one) is kept, older than what it lost, and woken
+    /// from only on an explicit `PUT .../resume`, never behind a request's back.
+    fn mark_dead(&self, sandbox: &Sandbox, record: &mut Record, when: &str) {
+        // A jailed VMM outlives its waiter by a moment (it dies of the waiter's death): until
+        // it lets go of its socket, nothing else can serve the sandbox.
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while std::os::unix::net::UnixStream::connect(sandbox.socket()).is_ok()
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        record.pid = None;
+        record.pid_start = None;
+        record.state = State::Dead;
+        let log = log_tail(&sandbox.dir.join("vmm.log"));
+        record.died = Some(if sandbox.snapshot_dir().is_dir() {
+            format!(
+                "its VMM ended {when} ({log}); its last snapshot, from before its last wake, \
+                 is kept: PUT /sandboxes/{}/resume goes back to it (what happened since is lost), \
+                 DELETE removes it",
+                sandbox.name
+            )
+        } else {
+            format!("its VMM ended {when} ({log}) and it has no snapshot: delete it")
+        });
+        self.metrics.vmm_deaths.fetch_add(1, Ordering::Relaxed);
+        self.event("vmm_died", &sandbox.name, json!({ "why": record.died }));
     }
 
     /// Make a sandbox and start its VMM; returns its description and its token. Nothing of
@@ -798,65 +1007,38 @@ impl Manager {
             } else {
                 None
             };
-            let sandbox = Arc::new(Sandbox {
+            let record = Record {
                 name: name.to_owned(),
-                dir: dir.clone(),
+                spec,
+                state: State::Starting,
+                token_sha256: Some(hash_token(&token)),
+                pid: None,
+                pid_start: None,
+                created_ms: now,
+                last_used_ms: now,
+                suspended_ms: None,
+                wakes: 0,
+                suspends: 0,
+                died: None,
+                jailed: self.jail,
                 uid,
-                inner: Mutex::new(Inner {
-                    record: Record {
-                        name: name.to_owned(),
-                        spec,
-                        state: State::Starting,
-                        token_sha256: Some(hash_token(&token)),
-                        pid: None,
-                        pid_start: None,
-                        created_ms: now,
-                        last_used_ms: now,
-                        suspended_ms: None,
-                        wakes: 0,
-                        suspends: 0,
-                        died: None,
-                        jailed: self.jail,
-                        uid,
-                    },
-                    vmm: None,
-                }),
-                active: AtomicUsize::new(0),
-                last_used: AtomicU64::new(self.uptime_ms()),
-            });
+            };
+            let sandbox = Arc::new(Sandbox::new(dir.clone(), record, self));
             all.insert(name.to_owned(), Arc::clone(&sandbox));
             sandbox
         };
         let start = Instant::now();
         let mut inner = lock(&sandbox.inner);
         let made = (|| {
-            std::fs::create_dir(&dir).map_err(|source| ServeError::Io {
-                what: "make",
-                path: dir.display().to_string(),
-                source,
-            })?;
-            if let (true, Some(uid)) = (inner.record.jailed, inner.record.uid) {
-                // The jailed VMM writes its snapshots, disk layers and sockets here.
-                std::os::unix::fs::chown(&dir, Some(uid), Some(uid)).map_err(|source| {
-                    ServeError::Io {
-                        what: "give to the jail's uid",
-                        path: dir.display().to_string(),
-                        source,
-                    }
-                })?;
-                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).map_err(
-                    |source| ServeError::Io {
-                        what: "set the mode of",
-                        path: dir.display().to_string(),
-                        source,
-                    },
-                )?;
-            }
+            make_dirs(&dir, inner.record.uid.filter(|_| inner.record.jailed))?;
             sandbox.save(&inner)?;
             let jail = inner.record.uid.filter(|_| inner.record.jailed);
-            let vmm = self.start_vmm(&sandbox, &inner.record.spec, jail, false)?;
-            inner.record.pid = Some(vmm.pid);
-            inner.record.pid_start = start_time(vmm.pid);
+            let spec = inner.record.spec.clone();
+            let vmm = self.start_vmm(&sandbox, &spec, jail, false, &mut |pid, start| {
+                inner.record.pid = Some(pid);
+                inner.record.pid_start = start;
+                sandbox.save(&inner)
+            })?;
             inner.vmm = Some(vmm);
             inner.record.state = State::Running;
             sandbox.save(&inner)
@@ -891,6 +1073,7 @@ impl Manager {
         spec: &Spec,
         jail_uid: Option<u32>,
         wake: bool,
+        persist: &mut dyn FnMut(u32, Option<u64>) -> Result<(), ServeError>,
     ) -> Result<Vmm, ServeError> {
         let sock = sandbox.socket();
         let log_path = sandbox.dir.join("vmm.log");
@@ -917,6 +1100,12 @@ impl Manager {
         };
         match &restore_from {
             Some(snapshot) => {
+                // A snapshot the manager keeps was written by a VMM (jailed, perhaps
+                // compromised): root restores it only if it holds nothing but plain files.
+                if snapshot.starts_with(&self.dir) {
+                    check_plain(snapshot)?;
+                    check_plain(&sandbox.vm_dir().join("disks"))?;
+                }
                 command.arg("restore").arg(snapshot);
                 // The snapshot's policy is kept on wake; a first restore may set one.
                 if let (false, Some(net)) = (wake, &spec.net) {
@@ -933,13 +1122,15 @@ impl Manager {
             .arg("--api-sock")
             .arg(&sock)
             .arg("--console")
-            .arg(sandbox.dir.join("console.log"));
+            .arg(sandbox.dir.join("console.log"))
+            .arg("--disk-dir")
+            .arg(sandbox.vm_dir().join("disks"));
         if let Some(uid) = jail_uid {
-            // Its own directory is all it shares: its snapshot goes there when it sleeps.
+            // Its `vm/` is all it shares: its snapshot goes there when it sleeps.
             command
                 .arg("--jail")
                 .arg("--jail-share")
-                .arg(&sandbox.dir)
+                .arg(sandbox.vm_dir())
                 .args([
                     "--jail-uid",
                     &uid.to_string(),
@@ -971,6 +1162,12 @@ impl Manager {
             pidfd,
             child: Some(child),
         };
+        // Saved before anything else: a manager killed from here on finds this process in
+        // the record (and ends or adopts it) instead of leaving it running unowned.
+        if let Err(e) = persist(pid, start_time(pid)) {
+            vmm.kill();
+            return Err(e);
+        }
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             if vmm.exited() {
@@ -1010,28 +1207,14 @@ impl Manager {
             .child
             .as_mut()
             .and_then(|c| c.try_wait().ok().flatten())
-            .map(|s| s.to_string());
-        let why = format!(
-            "its VMM (pid {}) ended{}: {}",
-            vmm.pid,
-            status.map(|s| format!(" ({s})")).unwrap_or_default(),
-            log_tail(&sandbox.dir.join("vmm.log"))
+            .map(|s| format!(", {s}"))
+            .unwrap_or_default();
+        self.mark_dead(
+            sandbox,
+            &mut inner.record,
+            &format!("(pid {}{status})", vmm.pid),
         );
-        inner.record.pid = None;
-        inner.record.pid_start = None;
-        if sandbox.snapshot_dir().is_dir() {
-            inner.record.state = State::Suspended;
-        } else {
-            inner.record.state = State::Dead;
-            inner.record.died = Some(why.clone());
-        }
         let _ = sandbox.save(inner);
-        self.metrics.vmm_deaths.fetch_add(1, Ordering::Relaxed);
-        self.event(
-            "vmm_died",
-            &sandbox.name,
-            json!({ "state": inner.record.state.name(), "why": why }),
-        );
     }
 
     /// Count a request for a sandbox as activity, wake it if it sleeps, and return its control
@@ -1045,13 +1228,26 @@ impl Manager {
             sandbox,
             manager: self,
         };
+        if sandbox.active.load(Ordering::SeqCst) > MAX_REQUESTS_PER_SANDBOX {
+            return Err(ServeError::Busy(format!(
+                "sandbox {} has {MAX_REQUESTS_PER_SANDBOX} requests in progress: try again \
+                 once some have been answered",
+                sandbox.name
+            )));
+        }
         sandbox.touch(self);
-        self.ensure_running(sandbox)?;
+        self.ensure_running(sandbox, false)?;
         Ok((activity, sandbox.socket()))
     }
 
     /// Wake the sandbox if it sleeps (one wake however many ask at once).
-    pub fn ensure_running(&self, sandbox: &Sandbox) -> Result<(), ServeError> {
+    /// `back_to_snapshot`: a dead sandbox with a snapshot goes back to it (an explicit
+    /// `PUT .../resume` only).
+    pub fn ensure_running(
+        &self,
+        sandbox: &Sandbox,
+        back_to_snapshot: bool,
+    ) -> Result<(), ServeError> {
         let mut inner = lock(&sandbox.inner);
         if inner.record.state == State::Running && inner.vmm.as_ref().is_none_or(Vmm::exited) {
             self.note_death(sandbox, &mut inner);
@@ -1059,8 +1255,12 @@ impl Manager {
         match inner.record.state {
             State::Running => Ok(()),
             State::Suspended => self.wake(sandbox, &mut inner),
+            State::Dead if back_to_snapshot && sandbox.snapshot_dir().is_dir() => {
+                self.event("back_to_snapshot", &sandbox.name, json!({}));
+                self.wake(sandbox, &mut inner)
+            }
             State::Dead => Err(ServeError::Conflict(format!(
-                "sandbox {} is dead ({}) and has no snapshot to wake from: delete it",
+                "sandbox {} is dead: {}",
                 sandbox.name,
                 inner.record.died.as_deref().unwrap_or("its VMM ended")
             ))),
@@ -1080,11 +1280,15 @@ impl Manager {
         let start = Instant::now();
         let spec = inner.record.spec.clone();
         let jail = inner.record.uid.filter(|_| inner.record.jailed);
-        match self.start_vmm(sandbox, &spec, jail, true) {
+        let started = self.start_vmm(sandbox, &spec, jail, true, &mut |pid, start| {
+            inner.record.pid = Some(pid);
+            inner.record.pid_start = start;
+            sandbox.save(inner)
+        });
+        match started {
             Ok(vmm) => {
-                inner.record.pid = Some(vmm.pid);
-                inner.record.pid_start = start_time(vmm.pid);
                 inner.vmm = Some(vmm);
+                inner.record.died = None;
                 inner.record.state = State::Running;
                 inner.record.wakes += 1;
                 let asleep = inner
@@ -1103,6 +1307,9 @@ impl Manager {
                 Ok(())
             }
             Err(e) => {
+                inner.record.pid = None;
+                inner.record.pid_start = None;
+                let _ = sandbox.save(inner);
                 self.metrics.wakes_failed.fetch_add(1, Ordering::Relaxed);
                 self.event(
                     "wake_failed",
@@ -1198,13 +1405,9 @@ impl Manager {
 
     /// End a sandbox's VMM and remove everything of it.
     pub fn delete(&self, sandbox: &Sandbox) -> Result<(), ServeError> {
+        // A delete that failed half-way (its directory could not be removed) may be tried
+        // again: it starts over.
         let mut inner = lock(&sandbox.inner);
-        if inner.record.state == State::Deleting {
-            return Err(ServeError::NotFound(format!(
-                "sandbox {} is being deleted",
-                sandbox.name
-            )));
-        }
         inner.record.state = State::Deleting;
         sandbox.save(&inner)?;
         if let Some(mut vmm) = inner.vmm.take() {
@@ -1265,7 +1468,8 @@ impl Manager {
             let idle_ms = self
                 .uptime_ms()
                 .saturating_sub(sandbox.last_used.load(Ordering::SeqCst));
-            if sandbox.active.load(Ordering::SeqCst) == 0 && idle_ms >= timeout * 1000 {
+            if sandbox.active.load(Ordering::SeqCst) == 0 && idle_ms >= timeout.saturating_mul(1000)
+            {
                 self.event("idle", &sandbox.name, json!({ "idle_ms": idle_ms }));
                 let _ = self.suspend_locked(&sandbox, &mut inner);
             }
@@ -1273,28 +1477,23 @@ impl Manager {
     }
 }
 
-/// The VMM a record names, if that process still runs as that sandbox's VMM: the same pid,
-/// started at the same time, serving the sandbox's socket.
-fn adopt(record: &Record, sock: &Path) -> Option<Vmm> {
+/// The process a record names, if it is still that process: the same pid, started at the
+/// same time (a pid used again by another process is never taken for it).
+fn find_process(record: &Record) -> Option<Vmm> {
     let pid = record.pid?;
     if record.pid_start.is_none() || start_time(pid) != record.pid_start {
         return None;
     }
     let pidfd = crate::zygote::pidfd_open(libc::pid_t::try_from(pid).ok()?).ok()?;
-    // Checked again after the pidfd is held: the pid cannot change hands from here on.
+    // Checked again now that the pidfd is held: the pid cannot change hands from here on.
     if start_time(pid) != record.pid_start {
         return None;
     }
-    let vmm = Vmm {
+    Some(Vmm {
         pid,
         pidfd,
         child: None,
-    };
-    let answers = matches!(
-        crate::api::request_with_timeout(sock, "GET", "/vm", None, Duration::from_secs(5)),
-        Ok((200, _))
-    );
-    answers.then_some(vmm)
+    })
 }
 
 #[cfg(test)]

@@ -153,9 +153,10 @@ impl Templates {
         let dir = self.dir.join(&key);
         let gate = Arc::clone(lock(&self.building).entry(key.clone()).or_default());
         let _building = lock(&gate);
-        if dir.join("template.json").is_file() && dir.join("snap").is_dir() {
+        let snapshot = dir.join("vm").join("snap");
+        if dir.join("template.json").is_file() && snapshot.is_dir() {
             manager.event("template_used", "", json!({ "template": key }));
-            return Ok(dir.join("snap"));
+            return Ok(snapshot);
         }
         // A build that never finished (the manager died under it).
         let _ = std::fs::remove_dir_all(&dir);
@@ -179,7 +180,7 @@ impl Templates {
                 "setup_commands": template.setup.len(),
             }),
         );
-        Ok(dir.join("snap"))
+        Ok(snapshot)
     }
 
     fn build(
@@ -190,18 +191,22 @@ impl Templates {
         dir: &Path,
         jail_uid: Option<u32>,
     ) -> Result<(), ServeError> {
-        let io = |what, source| ServeError::Io {
-            what,
-            path: dir.display().to_string(),
-            source,
-        };
-        std::fs::create_dir_all(dir).map_err(|e| io("make", e))?;
-        if let Some(uid) = jail_uid {
-            std::os::unix::fs::chown(dir, Some(uid), Some(uid))
-                .map_err(|e| io("give to the jail's uid", e))?;
+        if let Some(parent) = dir.parent() {
+            std::fs::create_dir_all(parent).map_err(|source| ServeError::Io {
+                what: "make",
+                path: parent.display().to_string(),
+                source,
+            })?;
         }
+        super::sandbox::make_dirs(dir, jail_uid)?;
         let builder = manager.detached_sandbox(&format!("template-{key}"), dir, jail_uid);
-        let mut vmm = manager.start_vmm(&builder, &template.boot_spec(), jail_uid, false)?;
+        let mut vmm = manager.start_vmm(
+            &builder,
+            &template.boot_spec(),
+            jail_uid,
+            false,
+            &mut |pid, start| Manager::save_started(&builder, pid, start),
+        )?;
         let sock = builder.socket();
         let result = (|| {
             if !template.setup.is_empty() {
@@ -231,7 +236,7 @@ impl Templates {
             request(
                 "PUT",
                 "/vm/snapshot",
-                Some(json!({ "path": dir.join("snap") })),
+                Some(json!({ "path": dir.join("vm").join("snap") })),
             )
         })();
         vmm.stop(&sock);
