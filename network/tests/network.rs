@@ -630,9 +630,13 @@ fn pooled_slots_are_claimed_and_work() {
     let _a = rig.tcp_server(addr(SERVER, 8080));
     assert_eq!(rig.network.prewarm(2).unwrap(), 2);
     assert_eq!(rig.network.pooled(), 2);
-    // A sweep keeps pool slots.
+    // A sweep keeps pool slots. (Not `report.pooled == 2`: a sweep skips a slot whose lock it
+    // cannot take, and a process another test forks holds a copy of that lock until it execs;
+    // counting it so failed one fresh-clone CI run in four.)
     let report = rig.network.sweep().unwrap();
-    assert_eq!(report.pooled, 2);
+    assert!(report.cleaned.is_empty(), "{report:?}");
+    assert!(report.pooled <= 2, "{report:?}");
+    assert_eq!(rig.network.pooled(), 2, "the sweep removed a pool slot");
     let mac = fresh_mac();
     let mut vm = rig.network.create(&Policy::Open, Some(mac)).unwrap();
     assert_eq!(vm.guest().mac, mac, "a restored VM keeps its saved MAC");

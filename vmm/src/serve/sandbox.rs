@@ -334,6 +334,8 @@ pub struct Sandbox {
     view: Mutex<Record>,
     /// Requests being passed to its VMM: it is not idle while one runs.
     active: AtomicUsize,
+    /// The idle watch is looking after it (on a thread of its own).
+    watched: std::sync::atomic::AtomicBool,
     /// The manager's monotonic clock at its last request, in ms since the manager started.
     last_used: AtomicU64,
 }
@@ -364,6 +366,7 @@ impl Sandbox {
             view: Mutex::new(record.clone()),
             inner: Mutex::new(Inner { record, vmm: None }),
             active: AtomicUsize::new(0),
+            watched: std::sync::atomic::AtomicBool::new(false),
             last_used: AtomicU64::new(manager.uptime_ms()),
         }
     }
@@ -1448,31 +1451,64 @@ impl Manager {
 
     /// One pass of the idle watch: suspend sandboxes idle past their timeout, notice VMMs
     /// that ended, reap.
-    pub fn watch_once(&self) {
+    pub fn watch_once(self: &Arc<Self>) {
         let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();
         for sandbox in all {
-            // Busy with a wake, suspend or delete: next time.
-            let Ok(mut inner) = sandbox.inner.try_lock() else {
-                continue;
-            };
-            if inner.record.state != State::Running {
+            let view = lock(&sandbox.view).clone();
+            if view.state != State::Running {
                 continue;
             }
-            if inner.vmm.as_ref().is_none_or(Vmm::exited) {
-                self.note_death(&sandbox, &mut inner);
-                continue;
-            }
-            let Some(timeout) = inner.record.spec.idle_timeout_s else {
-                continue;
-            };
             let idle_ms = self
                 .uptime_ms()
                 .saturating_sub(sandbox.last_used.load(Ordering::SeqCst));
-            if sandbox.active.load(Ordering::SeqCst) == 0 && idle_ms >= timeout.saturating_mul(1000)
-            {
-                self.event("idle", &sandbox.name, json!({ "idle_ms": idle_ms }));
-                let _ = self.suspend_locked(&sandbox, &mut inner);
+            let idle = view.spec.idle_timeout_s.is_some_and(|t| {
+                sandbox.active.load(Ordering::SeqCst) == 0 && idle_ms >= t.saturating_mul(1000)
+            });
+            // Each sandbox is looked after on a thread of its own (one at a time): a VMM slow
+            // to snapshot or to die holds up only its own sandbox.
+            if sandbox.watched.swap(true, Ordering::SeqCst) {
+                continue;
             }
+            let manager = Arc::clone(self);
+            let watched = Arc::clone(&sandbox);
+            let spawned = std::thread::Builder::new()
+                .name("serve-watch".into())
+                .spawn(move || {
+                    manager.watch_sandbox(&watched, idle);
+                    watched.watched.store(false, Ordering::SeqCst);
+                });
+            if spawned.is_err() {
+                sandbox.watched.store(false, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// Notice a VMM that ended, or suspend a sandbox found idle (checked again under its lock).
+    fn watch_sandbox(&self, sandbox: &Sandbox, idle: bool) {
+        // Busy with a wake, suspend or delete: next time.
+        let mut inner = match sandbox.inner.try_lock() {
+            Ok(inner) => inner,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        if inner.record.state != State::Running {
+            return;
+        }
+        if inner.vmm.as_ref().is_none_or(Vmm::exited) {
+            self.note_death(sandbox, &mut inner);
+            return;
+        }
+        let idle_ms = self
+            .uptime_ms()
+            .saturating_sub(sandbox.last_used.load(Ordering::SeqCst));
+        let still_idle = inner
+            .record
+            .spec
+            .idle_timeout_s
+            .is_some_and(|t| idle_ms >= t.saturating_mul(1000));
+        if idle && still_idle && sandbox.active.load(Ordering::SeqCst) == 0 {
+            self.event("idle", &sandbox.name, json!({ "idle_ms": idle_ms }));
+            let _ = self.suspend_locked(sandbox, &mut inner);
         }
     }
 }
