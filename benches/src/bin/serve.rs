@@ -3,8 +3,9 @@
 //! run and interleaved (so a busy machine weighs on both alike).
 //!
 //! - **create, boot**: `POST /sandboxes` that boots the probe, to the 201;
-//! - **create from a snapshot** (what a cached template's create is) against a **plain
-//!   restore** of the same snapshot (`mayfly restore` until its socket answers `GET /vm`);
+//! - **create from a template** (cached: a restore of its snapshot) against a **plain
+//!   restore** of the same snapshot (`mayfly restore` until its socket answers `GET /vm`),
+//!   unjailed and jailed (the manager jails its sandboxes);
 //! - **suspend**: `PUT /sandboxes/NAME/pause`, snapshot written and VMM gone;
 //! - **wake on request**: a `GET /sandboxes/NAME/vm` to a suspended sandbox, to its answer;
 //! - **manager overhead per call**: `GET /sandboxes/NAME/vm` through the manager against
@@ -60,10 +61,14 @@ struct Report {
     mem_mib: u64,
     runs: usize,
     create_boot_ms: Stats,
-    create_from_snapshot_ms: Stats,
+    create_from_template_ms: Stats,
     plain_restore_ms: Stats,
-    /// Median create from a snapshot / median plain restore (target ≤ 1.5).
+    /// The same restore jailed (`--jail`), as the manager's sandboxes are.
+    plain_restore_jailed_ms: Stats,
+    /// Median create from a template / median plain restore (target ≤ 1.5).
     create_over_restore: f64,
+    /// Median create from a template / median jailed plain restore: the manager's own part.
+    create_over_jailed_restore: f64,
     suspend_ms: Stats,
     wake_on_request_ms: Stats,
     /// Median wake on request / median plain restore (target ≤ 1.5).
@@ -90,18 +95,25 @@ fn ok(status: u16, body: &serde_json::Value, what: &str) {
 
 /// `mayfly restore` of `snap` until its socket answers, with the options the manager gives
 /// it (a name, a console file); ms. The VMM is killed afterwards.
-fn plain_restore(snap: &Path, sock: &Path, console: &Path) -> f64 {
+fn plain_restore(snap: &Path, sock: &Path, console: &Path, jail: bool) -> f64 {
     let start = Instant::now();
-    let vmm = Guest::start(&[
+    let snap = snap.to_string_lossy();
+    let sock_arg = sock.to_string_lossy();
+    let console = console.to_string_lossy();
+    let mut args = vec![
         "restore",
-        &snap.to_string_lossy(),
+        &snap,
         "--name",
         "plain",
         "--api-sock",
-        &sock.to_string_lossy(),
+        &sock_arg,
         "--console",
-        &console.to_string_lossy(),
-    ]);
+        &console,
+    ];
+    if jail {
+        args.push("--jail");
+    }
+    let vmm = Guest::start(&args);
     loop {
         if let Ok((200, _)) =
             mayfly_vmm::api::request_with_timeout(sock, "GET", "/vm", None, Duration::from_secs(5))
@@ -129,20 +141,26 @@ fn main() {
         })
     };
 
-    // The snapshot that stands for a template: a booted probe, taken through the manager.
-    m.create(spec("template"));
-    let snap = dir.join("template-snap");
-    let (status, body) = m.admin("PUT", "/sandboxes/template/vm/pause", None);
-    ok(status, &body, "pause");
-    let (status, body) = m.admin(
-        "PUT",
-        "/sandboxes/template/vm/snapshot",
-        Some(json!({ "path": snap })),
+    // A template of the probe (booted once and snapshotted by the manager); its snapshot is
+    // what the plain restores restore.
+    let template = json!({
+        "kernel": probe::ELF,
+        "mem_mib": args.mem_mib,
+        "cmdline": "touch=1",
+        "probe": true,
+    });
+    m.create(json!({ "name": "template", "template": template }));
+    let (_, vm) = m.admin("GET", "/sandboxes/template/vm", None);
+    let snap = PathBuf::from(
+        vm["origin"]
+            .as_str()
+            .and_then(|o| o.strip_prefix("restore of "))
+            .expect("a sandbox made from a template is a restore"),
     );
-    ok(status, &body, "snapshot");
 
     let (mut boot, mut from_snap, mut restore, mut suspend, mut wake) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut restore_jailed = Vec::new();
     for i in 0..args.runs {
         eprintln!("serve bench: round {}/{}", i + 1, args.runs);
         let start = Instant::now();
@@ -154,14 +172,21 @@ fn main() {
             &snap,
             &dir.join("plain.sock"),
             &dir.join("plain.log"),
+            false,
+        ));
+        restore_jailed.push(plain_restore(
+            &snap,
+            &dir.join("plain.sock"),
+            &dir.join("plain.log"),
+            true,
         ));
         let start = Instant::now();
         let (status, body) = m.admin(
             "POST",
             "/sandboxes",
-            Some(json!({ "name": format!("snap{i}"), "snapshot": snap })),
+            Some(json!({ "name": format!("snap{i}"), "template": template })),
         );
-        ok(status, &body, "create from a snapshot");
+        ok(status, &body, "create from a template");
         from_snap.push(ms(start));
 
         let start = Instant::now();
@@ -216,10 +241,12 @@ fn main() {
         mem_mib: args.mem_mib,
         runs: args.runs,
         create_over_restore: median(&from_snap) / median(&restore),
+        create_over_jailed_restore: median(&from_snap) / median(&restore_jailed),
+        plain_restore_jailed_ms: Stats::of(&restore_jailed).unwrap_or_default(),
         wake_over_restore: median(&wake) / median(&restore),
         overhead_per_call_ms: median(&via) - median(&direct),
         create_boot_ms: Stats::of(&boot).unwrap_or_default(),
-        create_from_snapshot_ms: Stats::of(&from_snap).unwrap_or_default(),
+        create_from_template_ms: Stats::of(&from_snap).unwrap_or_default(),
         plain_restore_ms: Stats::of(&restore).unwrap_or_default(),
         suspend_ms: Stats::of(&suspend).unwrap_or_default(),
         wake_on_request_ms: Stats::of(&wake).unwrap_or_default(),
@@ -230,11 +257,14 @@ fn main() {
         parked_vmm_processes,
     };
     eprintln!(
-        "serve bench: create from snapshot {:.2} ms vs plain restore {:.2} ms ({:.2}x), wake on \
-         request {:.2} ms ({:.2}x), suspend {:.1} ms, overhead per call {:.3} ms, parked {} MiB",
+        "serve bench: create from a template {:.2} ms vs plain restore {:.2} ms ({:.2}x; jailed \
+         {:.2} ms, {:.2}x), wake on request {:.2} ms ({:.2}x), suspend {:.1} ms, overhead per \
+         call {:.3} ms, parked {} MiB",
         median(&from_snap),
         median(&restore),
         report.create_over_restore,
+        median(&restore_jailed),
+        report.create_over_jailed_restore,
         median(&wake),
         report.wake_over_restore,
         median(&suspend),
