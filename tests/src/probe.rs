@@ -17,13 +17,20 @@ pub const TIMEOUT: Duration = Duration::from_secs(30);
 /// returns once it has written its pages and waits for a restore (a snapshot taken earlier
 /// would not notice it was restored).
 pub fn boot(mem_mib: u64, sock: &Path, name: &str) -> Guest {
-    let guest = Guest::start(&[
+    boot_with(mem_mib, sock, name, &[])
+}
+
+/// [`boot`] with more `mayfly run` options (a disk, a vsock path, a jail).
+pub fn boot_with(mem_mib: u64, sock: &Path, name: &str, extra: &[&str]) -> Guest {
+    let mem_mib = mem_mib.to_string();
+    let sock = sock.to_string_lossy();
+    let mut args = vec![
         "run",
         "--probe",
         "--kernel",
         ELF,
         "--mem-mib",
-        &mem_mib.to_string(),
+        &mem_mib,
         "--cmdline",
         "touch=1",
         "--console",
@@ -31,8 +38,10 @@ pub fn boot(mem_mib: u64, sock: &Path, name: &str) -> Guest {
         "--name",
         name,
         "--api-sock",
-        &sock.to_string_lossy(),
-    ]);
+        &sock,
+    ];
+    args.extend_from_slice(extra);
+    let guest = Guest::start(&args);
     assert!(
         guest.wait_stderr("mayfly-probe: waiting", TIMEOUT),
         "the probe did not boot: {}",

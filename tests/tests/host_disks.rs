@@ -23,29 +23,7 @@ fn base_image(dir: &TestDir, mib: usize) -> PathBuf {
 
 fn boot_with_disk(dir: &TestDir, name: &str, disk: &str) -> (Guest, PathBuf) {
     let sock = dir.join(&format!("{name}.sock"));
-    let guest = Guest::start(&[
-        "run",
-        "--probe",
-        "--kernel",
-        probe::ELF,
-        "--mem-mib",
-        "64",
-        "--cmdline",
-        "touch=1",
-        "--console",
-        "/dev/null",
-        "--name",
-        name,
-        "--api-sock",
-        &sock.to_string_lossy(),
-        "--disk",
-        disk,
-    ]);
-    assert!(
-        guest.wait_stderr("mayfly-probe: waiting", probe::TIMEOUT),
-        "the probe did not boot: {}",
-        guest.stderr()
-    );
+    let guest = probe::boot_with(64, &sock, name, &["--disk", disk]);
     (guest, sock)
 }
 

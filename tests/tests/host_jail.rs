@@ -44,33 +44,18 @@ fn shared_dir(dir: &TestDir, name: &str) -> PathBuf {
 }
 
 fn boot_jailed(dir: &TestDir, sock: &Path, share: &Path, name: &str) -> Guest {
-    let guest = Guest::start(&[
-        "run",
-        "--probe",
-        "--kernel",
-        probe::ELF,
-        "--mem-mib",
-        "64",
-        "--cmdline",
-        "touch=1",
-        "--console",
-        "/dev/null",
-        "--name",
+    probe::boot_with(
+        64,
+        sock,
         name,
-        "--api-sock",
-        &sock.to_string_lossy(),
-        "--jail",
-        "--jail-dir",
-        &dir.arg("jails"),
-        "--jail-share",
-        &share.to_string_lossy(),
-    ]);
-    assert!(
-        guest.wait_stderr("mayfly-probe: waiting", probe::TIMEOUT),
-        "the jailed probe did not boot: {}",
-        guest.stderr()
-    );
-    guest
+        &[
+            "--jail",
+            "--jail-dir",
+            &dir.arg("jails"),
+            "--jail-share",
+            &share.to_string_lossy(),
+        ],
+    )
 }
 
 #[test]

@@ -238,12 +238,18 @@ fn receive(socket: &UnixDatagram, buf: &mut [u8]) -> std::io::Result<Received> {
 /// Send SIGKILL to the process behind `pidfd` (nothing happens if it has ended, even if its
 /// pid is in use again).
 pub(crate) fn pidfd_kill(pidfd: &OwnedFd) {
+    pidfd_signal(pidfd, libc::SIGKILL);
+}
+
+/// Send `signal` to the process behind `pidfd` (nothing happens if it has ended, even if its
+/// pid is in use again).
+pub(crate) fn pidfd_signal(pidfd: &OwnedFd, signal: libc::c_int) {
     // SAFETY: pidfd_send_signal on a pidfd this process owns; no siginfo.
     unsafe {
         libc::syscall(
             libc::SYS_pidfd_send_signal,
             pidfd.as_raw_fd(),
-            libc::SIGKILL,
+            signal,
             std::ptr::null::<libc::siginfo_t>(),
             0,
         )

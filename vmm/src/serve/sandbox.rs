@@ -260,22 +260,6 @@ pub(super) struct Vmm {
     child: Option<Child>,
 }
 
-/// Send `signal` to the process behind `pidfd` (nothing happens once it has ended, even if
-/// its pid is used again).
-fn pidfd_signal(pidfd: &OwnedFd, signal: libc::c_int) {
-    use std::os::fd::AsRawFd;
-    // SAFETY: pidfd_send_signal on a pidfd this process owns, with no siginfo.
-    unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            signal,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    };
-}
-
 /// Whether `fd` becomes readable within `timeout` (a pidfd does once its process exited).
 fn readable(fd: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> bool {
     let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
@@ -302,7 +286,7 @@ impl Vmm {
     /// End it: SIGTERM first (a jailed VMM's waiter hands it on and then clears the jail's
     /// directory and cgroup), SIGKILL if it has not ended within a few seconds.
     fn kill(&mut self) {
-        pidfd_signal(&self.pidfd, libc::SIGTERM);
+        crate::zygote::pidfd_signal(&self.pidfd, libc::SIGTERM);
         if !self.wait_exit(STOP_TIMEOUT) {
             crate::zygote::pidfd_kill(&self.pidfd);
             self.wait_exit(STOP_TIMEOUT);
