@@ -135,6 +135,26 @@ impl Manager {
             .unwrap_or_default()
     }
 
+    /// Wait until the probe in sandbox `name` has made `n` reports of `kind` (`waiting`: it
+    /// has written its pages and may be snapshotted; `verified`: a restore found them all).
+    /// Its VMM log is kept across wakes; a corrupt page fails at once.
+    pub fn wait_probe(&self, name: &str, kind: &str, n: usize) {
+        let deadline = Instant::now() + probe::TIMEOUT;
+        let needle = format!("mayfly-probe: {kind} ");
+        loop {
+            let log = self.vmm_log(name);
+            assert!(!log.contains("mayfly-probe: corrupt"), "{name}: {log}");
+            if log.matches(&needle).count() >= n {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name}: no {kind} report #{n}: {log}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn events(&self, event: &str, name: &str) -> usize {
         let text = std::fs::read_to_string(self.state.join("events.jsonl")).unwrap();
         text.lines()

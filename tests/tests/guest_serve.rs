@@ -1,6 +1,7 @@
 //! `mayfly serve` with the default Linux guest (run through tests/run, on a KVM that runs
 //! Linux): a command run through the manager leaves a file and a process; the sandbox sleeps
-//! to disk (its VMM gone) and the next exec through the manager wakes it and finds both.
+//! to disk (its VMM gone) and the next exec through the manager wakes it and finds both; a fork
+//! of it makes two sandboxes that each find both and name themselves.
 
 use std::time::{Duration, Instant};
 
@@ -78,8 +79,44 @@ fn a_sandbox_wakes_from_disk_with_its_files_and_processes() {
         Value::from(pid),
         "a new VMM serves the woken sandbox"
     );
+
+    // A fork of the running sandbox: two sandboxes of their own, each with the file and the
+    // process, each its own name in the guest; the source deleted, they carry on.
+    let (status, body) = m.admin(
+        "POST",
+        "/sandboxes/box/fork",
+        Some(json!({ "names": ["box-a", "box-b"] })),
+    );
+    assert_eq!(status, 201, "{body}");
     let (status, _) = m.admin("DELETE", "/sandboxes/box", None);
     assert_eq!(status, 200);
+    for clone in body["clones"].as_array().unwrap() {
+        let name = clone["name"].as_str().unwrap();
+        let token = clone["token"].as_str().unwrap();
+        let (code, out) = shell(
+            &m,
+            token,
+            name,
+            &format!(
+                "cat /root/state; kill -0 {sleeper} && echo alive; mayfly-identity name; \
+                 echo {name} > /root/mine; cat /root/mine"
+            ),
+        );
+        assert_eq!(code, 0, "{name}: {out}");
+        assert_eq!(out, format!("kept\nalive\n{name}\n{name}\n"), "{name}");
+    }
+    // What one clone wrote, the other does not see.
+    let (_, out) = shell(
+        &m,
+        body["clones"][0]["token"].as_str().unwrap(),
+        "box-a",
+        "cat /root/mine",
+    );
+    assert_eq!(out, "box-a\n");
+    for name in ["box-a", "box-b"] {
+        let (status, _) = m.admin("DELETE", &format!("/sandboxes/{name}"), None);
+        assert_eq!(status, 200);
+    }
 }
 
 #[test]

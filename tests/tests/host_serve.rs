@@ -175,7 +175,14 @@ fn a_token_opens_its_own_sandbox_only_and_stops_when_revoked() {
         "/sandboxes/a/vm/fork",
         Some(json!({"count": 1})),
     );
-    assert_eq!(status, 501, "{body}");
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("POST /sandboxes/NAME/fork"),
+        "{body}"
+    );
     let (status, body) = call(
         &m.sock,
         Some(&fresh),
@@ -394,12 +401,24 @@ fn sandboxes_from_one_template_share_one_build_and_a_changed_input_builds_anothe
     for name in ["t1", "t2"] {
         let (status, vm) = m.admin("GET", &format!("/sandboxes/{name}/vm"), None);
         assert_eq!(status, 200, "{vm}");
+        // Restored from the one build, linked into the sandbox's own `vm/base` (so the template
+        // can go while the sandbox lives): the same inode, not a copy.
         assert!(
             vm["origin"]
                 .as_str()
                 .unwrap()
-                .contains(&format!("templates/{key}/vm/snap")),
+                .ends_with(&format!("sandboxes/{name}/vm/base")),
             "{vm}"
+        );
+        let inode = |p: std::path::PathBuf| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(&p)
+                .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+                .ino()
+        };
+        assert_eq!(
+            inode(m.state.join(format!("sandboxes/{name}/vm/base/state"))),
+            inode(m.state.join(format!("templates/{key}/vm/snap/state"))),
         );
         assert_eq!(vm["name"], name);
     }
@@ -513,4 +532,145 @@ fn a_link_planted_in_a_sleeping_sandboxs_snapshot_is_never_followed() {
     let sandbox_dir = std::fs::metadata(m.state.join("sandboxes/victim")).unwrap();
     assert_eq!((sandbox_dir.uid(), sandbox_dir.mode() & 0o777), (0, 0o700));
     assert_eq!(m.admin("PUT", "/sandboxes/victim/resume", None).0, 200);
+}
+
+#[test]
+fn a_fork_makes_sandboxes_of_their_own_from_one_snapshot_running_or_asleep() {
+    let dir = TestDir::new("serve-fork");
+    let m = Manager::start(&dir);
+    // A disk, so that the clones' layers stack on the fork's and must survive their sleeps.
+    let image = dir.join("base.img");
+    std::fs::write(&image, vec![7u8; 4 << 20]).unwrap();
+    let (status, body) = m.admin(
+        "POST",
+        "/sandboxes",
+        Some(json!({
+            "name": "src", "kernel": probe::ELF, "mem_mib": 64, "cmdline": "touch=1",
+            "probe": true, "rootfs": image,
+        })),
+    );
+    assert_eq!(status, 201, "{body}");
+    let src_token = body["token"].as_str().unwrap().to_string();
+
+    // Refused in words, nothing made.
+    for (request, want) in [
+        (json!({}), 400),
+        (json!({"count": 0}), 400),
+        (json!({"count": 65}), 400),
+        (json!({"names": ["x", "x"]}), 400),
+        (json!({"names": ["Not_A_Label"]}), 400),
+        (json!({"names": ["src"]}), 409),
+        (json!({"count": 2, "names": ["x"]}), 400),
+        (json!({"count": 1, "colour": "red"}), 400),
+    ] {
+        let (status, body) = m.admin("POST", "/sandboxes/src/fork", Some(request.clone()));
+        assert_eq!(status, want, "{request}: {body}");
+        assert!(body["error"].is_string(), "{body}");
+    }
+    let (status, _) = call(
+        &m.sock,
+        Some(&src_token),
+        "POST",
+        "/sandboxes/src/fork",
+        Some(json!({"count": 1})),
+    );
+    assert_eq!(status, 403, "a sandbox's own token makes no sandboxes");
+    assert_eq!(
+        m.admin("GET", "/sandboxes", None).1["sandboxes"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+
+    m.wait_probe("src", "waiting", 1);
+    // From the running source (once its probe has written its pages): two clones, named after it, each its own VMM, uid and token.
+    let (status, body) = m.admin("POST", "/sandboxes/src/fork", Some(json!({"count": 2})));
+    assert_eq!(status, 201, "{body}");
+    let clones = body["clones"].as_array().unwrap();
+    let names: Vec<&str> = clones.iter().map(|c| c["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["src-1", "src-2"], "{body}");
+    let mut uids: Vec<u64> = clones.iter().map(|c| c["uid"].as_u64().unwrap()).collect();
+    uids.push(m.describe("src")["uid"].as_u64().unwrap());
+    uids.sort_unstable();
+    uids.dedup();
+    assert_eq!(uids.len(), 3, "every sandbox has a uid of its own: {body}");
+    for clone in clones {
+        assert_eq!(clone["state"], "running", "{clone}");
+        assert!(
+            clone["token"].as_str().unwrap().starts_with("mfs_"),
+            "{clone}"
+        );
+    }
+    let tokens: Vec<String> = clones
+        .iter()
+        .map(|c| c["token"].as_str().unwrap().to_string())
+        .collect();
+    // Each clone's probe finds every page the source wrote; the source carries on.
+    m.wait_probe("src-1", "verified", 1);
+    m.wait_probe("src-2", "verified", 1);
+    let (status, vm) = call(
+        &m.sock,
+        Some(&tokens[0]),
+        "GET",
+        "/sandboxes/src-1/vm",
+        None,
+    );
+    assert_eq!(status, 200, "{vm}");
+    assert_eq!(vm["name"], "src-1");
+    assert_eq!(vm["state"], "running", "{vm}");
+    assert_eq!(
+        m.admin("GET", "/sandboxes/src/vm", None).1["state"],
+        "running"
+    );
+    // A clone's token is its own only.
+    assert_eq!(
+        call(&m.sock, Some(&tokens[0]), "GET", "/sandboxes/src", None).0,
+        403
+    );
+    assert_eq!(
+        call(&m.sock, Some(&tokens[0]), "GET", "/sandboxes/src-2", None).0,
+        403
+    );
+    // The fork base is gone: the clones hold links to what they need.
+    let forks = m.state.join("forks");
+    assert_eq!(std::fs::read_dir(&forks).unwrap().count(), 0);
+
+    // The source goes; a clone still sleeps and wakes with its pages and its disk.
+    let (status, body) = m.admin("DELETE", "/sandboxes/src", None);
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = m.admin("PUT", "/sandboxes/src-1/pause", None);
+    assert_eq!(
+        (status, body["state"].as_str()),
+        (200, Some("suspended")),
+        "{body}"
+    );
+    let (status, body) = m.admin("PUT", "/sandboxes/src-1/resume", None);
+    assert_eq!(
+        (status, body["state"].as_str()),
+        (200, Some("running")),
+        "{body}"
+    );
+    m.wait_probe("src-1", "verified", 2);
+
+    // From a sleeping sandbox: it is not woken.
+    let (status, body) = m.admin("PUT", "/sandboxes/src-2/pause", None);
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = m.admin(
+        "POST",
+        "/sandboxes/src-2/fork",
+        Some(json!({"names": ["kid"], "idle_timeout_s": 1})),
+    );
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["clones"][0]["name"], "kid", "{body}");
+    assert_eq!(m.describe("src-2")["state"], "suspended");
+    assert_eq!(m.describe("src-2")["wakes"], 0);
+    m.wait_probe("kid", "verified", 1);
+    // The clone takes the idle timeout it was given, and wakes again.
+    m.wait_state("kid", "suspended", Duration::from_secs(30));
+    let (status, _) = m.admin("GET", "/sandboxes/kid/vm", None);
+    assert_eq!(status, 200);
+    m.wait_probe("kid", "verified", 2);
+    assert_eq!(m.events("forked", "src"), 1);
+    assert_eq!(m.events("forked", "src-2"), 1);
 }

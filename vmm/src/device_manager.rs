@@ -174,6 +174,8 @@ pub struct RestoreTargets {
     pub snapshot_dir: Option<PathBuf>,
     /// Where the writable disks' new top layers go.
     pub disk_dir: Option<PathBuf>,
+    /// Layers named by full path must lie in here (see [`disks::open_for_restore`]).
+    pub layers_within: Option<PathBuf>,
     /// Where the NIC's network is made (if the snapshot has a NIC), and with what.
     pub net: NetTargets,
 }
@@ -360,6 +362,7 @@ impl DeviceManager {
                         s,
                         targets.snapshot_dir.as_deref(),
                         targets.disk_dir.as_deref(),
+                        targets.layers_within.as_deref(),
                     )
                     .map_err(|source| DeviceError::Disk {
                         serial: serial.clone(),

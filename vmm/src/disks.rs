@@ -79,6 +79,10 @@ pub enum DiskSetupError {
     NoSnapshotDir,
     #[error("the snapshot {snapshot} and the disk layer {layer} are on different file systems: layers are hard-linked into snapshots, never copied; put the snapshot on the same file system as the VM's --disk-dir")]
     CrossDevice { snapshot: PathBuf, layer: PathBuf },
+    #[error("the snapshot names the disk layer {layer}, outside {within}, where the layers of this restore must be (a snapshot written by a VMM the restorer does not trust)")]
+    LayerOutside { layer: PathBuf, within: PathBuf },
+    #[error("cannot make the snapshot {path} self-contained: {reason}")]
+    Gather { path: PathBuf, reason: String },
     #[error(transparent)]
     Disk(#[from] DiskError),
 }
@@ -406,10 +410,15 @@ fn snapshot_layer(snapshot: &Path, name: &Path) -> Result<PathBuf, DiskSetupErro
 /// `snapshot_dir` for a snapshot directory, full paths for a fork's state) with the base
 /// checked against the identity the snapshot recorded, and, if writable, a new top layer of
 /// the VM's own in `dir`.
+///
+/// `layers_within`: every layer named by full path must lie in this directory (after
+/// symbolic links are resolved). The sandbox manager restores, as root, snapshots a jailed
+/// VMM wrote: such a snapshot must not name another sandbox's layers, or any other file.
 pub fn open_for_restore(
     state: &BlockState,
     snapshot_dir: Option<&Path>,
     dir: Option<&Path>,
+    layers_within: Option<&Path>,
 ) -> Result<Disk, DiskSetupError> {
     let mut chain = state.chain.clone();
     // Full paths from here on: a fork of this VM hands them to clones, the manifest keeps
@@ -424,6 +433,17 @@ pub fn open_for_restore(
                 .as_deref()
                 .ok_or(DiskSetupError::NoSnapshotDir)?;
             *layer = snapshot_layer(snapshot, layer)?;
+        } else if let Some(within) = layers_within {
+            let outside = || DiskSetupError::LayerOutside {
+                layer: layer.clone(),
+                within: within.to_path_buf(),
+            };
+            let real = std::fs::canonicalize(&*layer).map_err(|_| outside())?;
+            let within = std::fs::canonicalize(within).map_err(|_| outside())?;
+            if !real.starts_with(&within) {
+                return Err(outside());
+            }
+            *layer = real;
         }
     }
     let found = base_identity(&chain.base)?;
@@ -479,6 +499,11 @@ pub fn freeze(disk: &mut Disk, serial: &str, dir: &Path) -> Result<(), DiskSetup
 
 /// Put the layers of a saved block device into the snapshot being written in `snapshot_tmp`
 /// (hard links under `disks/`) and name them relative to the snapshot.
+///
+/// A layer this process may not link (the kernel's `protected_hardlinks` refuses links to a
+/// file of another owner that one cannot write: a jailed VMM restored from a template or a
+/// fork base that the sandbox manager keeps root's) stays named by its full path, as a fork's
+/// state names layers: such a snapshot is self-contained but for the base and those layers.
 pub fn link_into_snapshot(
     state: &mut BlockState,
     snapshot_tmp: &Path,
@@ -508,11 +533,72 @@ pub fn link_into_snapshot(
                     layer: layer.clone(),
                 })
             }
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) && layer.is_absolute() => continue,
             Err(e) => return Err(io(format!("link {} into the snapshot", layer.display()))(e)),
         }
         *layer = Path::new(SNAPSHOT_DISKS).join(name);
     }
     Ok(())
+}
+
+/// Make a snapshot directory self-contained (but for its bases): hard-link every layer its
+/// state names by full path (see [`link_into_snapshot`]) into its `disks/`, name them there,
+/// and replace its state file (a new file, renamed over the old, so other links to the old
+/// one are untouched). Every such layer must lie in `within` (symbolic links resolved): the
+/// snapshot was written by a VMM whose own directory that is. For the sandbox manager, which
+/// makes a fork base of a sandbox's snapshot; it runs as root, which may link any file.
+pub fn gather_layers(snapshot: &Path, within: &Path) -> Result<usize, DiskSetupError> {
+    use mayfly_devices::persist::VirtioKindState;
+    let state_path = snapshot.join(mayfly_snapshot::STATE_FILE);
+    let gather = |reason: String| DiskSetupError::Gather {
+        path: snapshot.to_path_buf(),
+        reason,
+    };
+    let (header, mut state): (_, mayfly_snapshot::VmState) =
+        mayfly_snapshot::read_state_file(&state_path).map_err(|e| gather(e.to_string()))?;
+    let within =
+        std::fs::canonicalize(within).map_err(io(format!("resolve {}", within.display())))?;
+    let disks = snapshot.join(SNAPSHOT_DISKS);
+    let mut gathered = 0;
+    for device in &mut state.devices.virtio {
+        let VirtioKindState::Block(block) = &mut device.device else {
+            continue;
+        };
+        for layer in &mut block.chain.layers {
+            if layer.is_relative() {
+                continue;
+            }
+            let real = std::fs::canonicalize(&*layer)
+                .ok()
+                .filter(|real| real.starts_with(&within))
+                .ok_or_else(|| DiskSetupError::LayerOutside {
+                    layer: layer.clone(),
+                    within: within.clone(),
+                })?;
+            let name = real
+                .file_name()
+                .ok_or_else(|| DiskSetupError::BadLayerName(real.display().to_string()))?
+                .to_owned();
+            if !disks.exists() {
+                std::fs::create_dir(&disks).map_err(io(format!("create {}", disks.display())))?;
+            }
+            match std::fs::hard_link(&real, disks.join(&name)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(io(format!("link {} into the snapshot", real.display()))(e)),
+            }
+            *layer = Path::new(SNAPSHOT_DISKS).join(name);
+            gathered += 1;
+        }
+    }
+    if gathered > 0 {
+        let tmp = snapshot.join(".state.new");
+        mayfly_snapshot::write_state_file(&tmp, &header, &state)
+            .map_err(|e| gather(e.to_string()))?;
+        std::fs::rename(&tmp, &state_path)
+            .map_err(io(format!("replace {}", state_path.display())))?;
+    }
+    Ok(gathered)
 }
 
 #[cfg(test)]

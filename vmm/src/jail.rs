@@ -673,6 +673,7 @@ pub fn lock_down(needs: &Needs) -> Result<(), JailError> {
             if share.writable && ours {
                 // The VM's own directory (its disk layers): its uid writes there now.
                 chown_tree_top(&share.path, jail.config.uid, jail.config.gid)?;
+                give_own_layers(&share.path, jail.config.uid, jail.config.gid)?;
             }
         } else {
             if let Some(parent) = inside.parent() {
@@ -753,6 +754,26 @@ fn chown_tree_top(path: &Path, uid: u32, gid: u32) -> Result<(), JailError> {
         return Err(io("give to the jail's uid", path)(
             std::io::Error::last_os_error(),
         ));
+    }
+    Ok(())
+}
+
+/// Give the jail's uid the files root made in the VM's own disk directory before the jail
+/// closed (its new top layers): a snapshot hard-links the layers it freezes, and the kernel
+/// (`protected_hardlinks`) lets a process link only files it owns or may write. A file with
+/// other links is left as it is: a frozen layer that a fork's clones (or a snapshot) share,
+/// sealed root's by the sandbox manager, must not become this VMM's again.
+fn give_own_layers(dir: &Path, uid: u32, gid: u32) -> Result<(), JailError> {
+    use std::os::unix::fs::MetadataExt;
+    let entries = std::fs::read_dir(dir).map_err(io("read", dir))?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if meta.is_file() && meta.uid() == 0 && meta.nlink() == 1 {
+            chown_tree_top(&path, uid, gid)?;
+        }
     }
     Ok(())
 }

@@ -194,6 +194,11 @@ struct RestoreArgs {
     /// --disk-dir`). Default: `<api-sock>.disks` when there is a control socket.
     #[arg(long, value_name = "DIR")]
     disk_dir: Option<PathBuf>,
+    /// Refuse a snapshot that names disk layers by full path outside DIR (for a manager that
+    /// restores, as root, snapshots its jailed VMMs wrote; `mayfly serve` passes the
+    /// sandbox's own directory).
+    #[arg(long, value_name = "DIR")]
+    disk_layers_within: Option<PathBuf>,
     /// The restored NIC's egress policy instead of the snapshot's (see `mayfly run --net`;
     /// `none` keeps the NIC but lets nothing out). Only for a snapshot of a VM with a NIC.
     #[arg(long, value_name = "none|open|allow=...")]
@@ -750,6 +755,7 @@ fn restore_started(args: RestoreArgs, started: Started) -> ExitCode {
                 vsock_cid: None,
                 snapshot_dir: Some(args.dir.clone()),
                 disk_dir: beside_socket(args.disk_dir, args.api_sock.as_deref(), ".disks"),
+                layers_within: args.disk_layers_within,
                 net: mayfly_vmm::net::NetTargets {
                     settings: args.net_place.settings(),
                     policy: net_policy,

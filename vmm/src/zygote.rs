@@ -1279,6 +1279,7 @@ fn become_clone(
             vsock_cid: Some(clone.vsock_cid),
             snapshot_dir: None,
             disk_dir: clone.disk_dir.clone(),
+            layers_within: None,
             net: crate::net::NetTargets {
                 settings: clone.net.clone().unwrap_or_default(),
                 policy: None,

@@ -10,6 +10,8 @@
 //! - **wake on request**: a `GET /sandboxes/NAME/vm` to a suspended sandbox, to its answer;
 //! - **manager overhead per call**: `GET /sandboxes/NAME/vm` through the manager against
 //!   `GET /vm` on the VMM's own socket;
+//! - **fork**: `POST /sandboxes/NAME/fork` of a running sandbox into 1 clone (each round) and
+//!   into 10 (once), to the 201 (every clone running), with the snapshot's part of it;
 //! - **parked**: disk per suspended sandbox (allocated blocks) and VMM processes left (0).
 //!
 //! Targets (issue "sandbox manager"): create from a template ≤ 1.5× a plain restore;
@@ -83,6 +85,14 @@ struct Report {
     parked_dirty_bytes: u64,
     /// VMM processes of the parked sandboxes still running (RAM ≈ 0 means 0).
     parked_vmm_processes: usize,
+    /// `POST .../fork {"count":1}` of a running sandbox → 201.
+    fork_1_ms: Stats,
+    /// The snapshot's part of those forks (pause, snapshot, resume, seal), as the answer says.
+    fork_1_snapshot_ms: Stats,
+    /// One fork of a running sandbox into 10 clones → 201.
+    fork_10_ms: f64,
+    /// Its snapshot's part.
+    fork_10_snapshot_ms: f64,
 }
 
 fn ms(since: Instant) -> f64 {
@@ -161,6 +171,7 @@ fn main() {
     let (mut boot, mut from_snap, mut restore, mut suspend, mut wake) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut restore_jailed = Vec::new();
+    let (mut fork_1, mut fork_1_snapshot) = (Vec::new(), Vec::new());
     for i in 0..args.runs {
         eprintln!("serve bench: round {}/{}", i + 1, args.runs);
         let start = Instant::now();
@@ -197,7 +208,25 @@ fn main() {
         let (status, body) = m.admin("GET", &format!("/sandboxes/snap{i}/vm"), None);
         ok(status, &body, "wake");
         wake.push(ms(start));
+
+        let start = Instant::now();
+        let (status, body) = m.admin(
+            "POST",
+            &format!("/sandboxes/snap{i}/fork"),
+            Some(json!({ "count": 1 })),
+        );
+        ok(status, &body, "fork into 1");
+        fork_1.push(ms(start));
+        fork_1_snapshot.push(body["snapshot_ms"].as_f64().unwrap_or(f64::NAN));
     }
+    let start = Instant::now();
+    let (status, fork_10) = m.admin(
+        "POST",
+        "/sandboxes/snap0/fork",
+        Some(json!({ "count": 10 })),
+    );
+    ok(status, &fork_10, "fork into 10");
+    let fork_10_ms = ms(start);
 
     // Per-call overhead: the same request through the manager and straight to the VMM.
     let vm_sock = PathBuf::from(m.describe("snap0")["socket"].as_str().unwrap());
@@ -255,11 +284,15 @@ fn main() {
         parked_disk_bytes: parked_disk,
         parked_dirty_bytes: args.mem_mib << 20,
         parked_vmm_processes,
+        fork_1_ms: Stats::of(&fork_1).unwrap_or_default(),
+        fork_1_snapshot_ms: Stats::of(&fork_1_snapshot).unwrap_or_default(),
+        fork_10_ms,
+        fork_10_snapshot_ms: fork_10["snapshot_ms"].as_f64().unwrap_or(f64::NAN),
     };
     eprintln!(
         "serve bench: create from a template {:.2} ms vs plain restore {:.2} ms ({:.2}x; jailed \
          {:.2} ms, {:.2}x), wake on request {:.2} ms ({:.2}x), suspend {:.1} ms, overhead per \
-         call {:.3} ms, parked {} MiB",
+         call {:.3} ms, parked {} MiB, fork into 1 {:.1} ms, into 10 {:.1} ms",
         median(&from_snap),
         median(&restore),
         report.create_over_restore,
@@ -269,7 +302,9 @@ fn main() {
         report.wake_over_restore,
         median(&suspend),
         report.overhead_per_call_ms,
-        parked_disk >> 20
+        parked_disk >> 20,
+        median(&fork_1),
+        fork_10_ms
     );
     emit_report("serve", &report, args.out.as_deref());
 }

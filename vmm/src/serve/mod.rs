@@ -14,6 +14,7 @@
 //! | `DELETE /sandboxes/NAME`                | either  | end its VMM, remove everything of it  |
 //! | `PUT /sandboxes/NAME/pause`             | either  | suspend to disk now                   |
 //! | `PUT /sandboxes/NAME/resume`            | either  | wake now                              |
+//! | `POST /sandboxes/NAME/fork`             | admin   | N new sandboxes from one snapshot of it (see [`fork`]) |
 //! | `PUT /sandboxes/NAME/token`             | admin   | a new token (the old one stops working) |
 //! | `DELETE /sandboxes/NAME/token`          | admin   | revoke its token                      |
 //! | any `/sandboxes/NAME/vm...`             | either  | passed to its VMM as `/vm...` (woken first) |
@@ -25,6 +26,7 @@
 //! (see [`sandbox`]): `kill -9` of the manager loses nothing, and a new one adopts the VMMs
 //! that still run. Stopping the manager (SIGTERM, SIGINT) leaves the sandboxes as they are.
 
+mod fork;
 mod metrics;
 mod sandbox;
 mod template;
@@ -340,7 +342,7 @@ fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<()
             format!("no sandbox named {name:?}: GET /sandboxes lists them"),
         ));
     };
-    let admin_only = tail == "token";
+    let admin_only = tail == "token" || tail == "fork";
     let admin = check_token(manager, request, Some(&sandbox), admin_only)?;
     match (method, tail) {
         ("GET", "") => reply(stream, 200, &sandbox.describe(manager)),
@@ -364,7 +366,20 @@ fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<()
             manager.set_token(&sandbox, true).map_err(refused)?;
             reply(stream, 200, &json!({ "name": name, "token": null }));
         }
-        (_, "" | "pause" | "resume" | "token") => {
+        ("POST", "fork") => {
+            let body: fork::ForkRequest = serde_json::from_slice(&request.body).map_err(|e| {
+                (
+                    400,
+                    format!(
+                        "{e}: send {{\"count\": N}} or {{\"names\": [...]}}, and \
+                         \"idle_timeout_s\" if wanted"
+                    ),
+                )
+            })?;
+            let forked = fork::fork(manager, &sandbox, &body).map_err(refused)?;
+            reply(stream, 201, &forked);
+        }
+        (_, "" | "pause" | "resume" | "token" | "fork") => {
             return Err((
                 405,
                 format!("{method} is not served on {path}: see the routes in the README"),
@@ -442,9 +457,9 @@ fn pass_to_vmm(
 ) -> Result<(), Refused> {
     if vm == "/vm/fork" {
         return Err((
-            501,
-            "forking a sandbox through the manager is not built yet: snapshot it \
-             (PUT /sandboxes/NAME/vm/snapshot) and create sandboxes from the snapshot"
+            409,
+            "a sandbox is forked by the manager, which names its clones: POST \
+             /sandboxes/NAME/fork {\"count\": N}"
                 .into(),
         ));
     }

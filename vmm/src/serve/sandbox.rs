@@ -364,12 +364,17 @@ impl Sandbox {
     /// What its jailed VMM shares and writes: `vm/`, its uid's, holding its snapshot and its
     /// disk layers. Everything else of the sandbox (its record, logs, console) is root's, so
     /// nothing a compromised VMM writes can steer what root opens.
-    fn vm_dir(&self) -> PathBuf {
+    pub(super) fn vm_dir(&self) -> PathBuf {
         self.dir.join("vm")
     }
 
-    fn snapshot_dir(&self) -> PathBuf {
+    pub(super) fn snapshot_dir(&self) -> PathBuf {
         self.vm_dir().join("snap")
+    }
+
+    /// What it was made from, as last saved.
+    pub(super) fn spec(&self) -> Spec {
+        lock(&self.view).spec.clone()
     }
 
     /// Whether `token` is this sandbox's (and it has not been revoked).
@@ -534,7 +539,7 @@ fn rss_tree_bytes(pid: u32) -> u64 {
 /// open what the link names (another sandbox's snapshot, any file of the host). Nothing of
 /// that VMM's uid runs any more when this is called (the VMM is gone, and its uid is its
 /// own), so what is checked stays as it is.
-fn check_plain(path: &Path) -> Result<(), ServeError> {
+pub(super) fn check_plain(path: &Path) -> Result<(), ServeError> {
     let meta = match std::fs::symlink_metadata(path) {
         Ok(meta) => meta,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
@@ -567,12 +572,20 @@ fn check_plain(path: &Path) -> Result<(), ServeError> {
     Ok(())
 }
 
-/// Bytes allocated on disk under `path`.
-fn disk_bytes(path: &Path) -> u64 {
+/// Bytes allocated on disk under `path`, each file counted once however many hard links it
+/// has there (sandboxes made from one template or fork share their base's files).
+pub(super) fn disk_bytes(path: &Path) -> u64 {
+    disk_bytes_once(path, &mut std::collections::HashSet::new())
+}
+
+fn disk_bytes_once(path: &Path, seen: &mut std::collections::HashSet<(u64, u64)>) -> u64 {
     use std::os::unix::fs::MetadataExt;
     let Ok(meta) = std::fs::symlink_metadata(path) else {
         return 0;
     };
+    if !seen.insert((meta.dev(), meta.ino())) {
+        return 0;
+    }
     let own = meta.blocks() * 512;
     if !meta.is_dir() {
         return own;
@@ -582,7 +595,7 @@ fn disk_bytes(path: &Path) -> u64 {
     };
     own + entries
         .flatten()
-        .map(|e| disk_bytes(&e.path()))
+        .map(|e| disk_bytes_once(&e.path(), seen))
         .sum::<u64>()
 }
 
@@ -688,6 +701,84 @@ impl Manager {
 
     pub(super) fn mayfly(&self) -> &Path {
         &self.mayfly
+    }
+
+    pub(super) fn state_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A snapshot of `source` at `into` for a fork (see [`super::fork`]): a running sandbox
+    /// is paused, snapshotted into its own `vm/` (`vm/<name>`, all its jail may write), moved
+    /// to `into` and resumed (unless its user had paused it); a sleeping one stays asleep and
+    /// its own snapshot is linked at `into`.
+    pub(super) fn fork_snapshot(
+        &self,
+        source: &Sandbox,
+        into: &Path,
+        name: &str,
+    ) -> Result<(), ServeError> {
+        let mut inner = lock(&source.inner);
+        if inner.record.state == State::Running && inner.vmm.as_ref().is_none_or(Vmm::exited) {
+            self.note_death(source, &mut inner);
+        }
+        source.touch(self);
+        match inner.record.state {
+            State::Suspended => {
+                let snapshot = source.snapshot_dir();
+                check_plain(&snapshot)?;
+                super::fork::link_snapshot(&snapshot, into)
+            }
+            State::Running => {
+                let sock = source.socket();
+                let request = |method: &str, path: &str, body: Option<&Value>| {
+                    crate::api::request_with_timeout(&sock, method, path, body, VMM_REQUEST_TIMEOUT)
+                        .map_err(|e| format!("{method} {path}: {e}"))
+                };
+                let tmp = source.vm_dir().join(name);
+                let paused_by_user = match request("PUT", "/vm/pause", None) {
+                    Ok((409, _)) => true,
+                    Ok((status, _)) if status < 300 => false,
+                    Ok((status, body)) => {
+                        return Err(ServeError::VmmFailed(format!(
+                            "could not pause sandbox {} to fork it: {status} {body}",
+                            source.name
+                        )))
+                    }
+                    Err(e) => return Err(ServeError::VmmFailed(e)),
+                };
+                let snapped = match request("PUT", "/vm/snapshot", Some(&json!({ "path": tmp }))) {
+                    Ok((status, _)) if status < 300 => Ok(()),
+                    Ok((status, body)) => Err(format!("{status} {body}")),
+                    Err(e) => Err(e),
+                };
+                if !paused_by_user {
+                    let _ = request("PUT", "/vm/resume", None);
+                }
+                if let Err(e) = snapped {
+                    let _ = std::fs::remove_dir_all(&tmp);
+                    return Err(ServeError::VmmFailed(format!(
+                        "could not snapshot sandbox {} to fork it: {e}",
+                        source.name
+                    )));
+                }
+                let moved = check_plain(&tmp).and_then(|()| {
+                    std::fs::rename(&tmp, into).map_err(|source| ServeError::Io {
+                        what: "move the fork's snapshot to",
+                        path: into.display().to_string(),
+                        source,
+                    })
+                });
+                if moved.is_err() {
+                    let _ = std::fs::remove_dir_all(&tmp);
+                }
+                moved
+            }
+            other => Err(ServeError::Conflict(format!(
+                "sandbox {} is {}: only a running or sleeping sandbox can be forked",
+                source.name,
+                other.name()
+            ))),
+        }
     }
 
     /// A sandbox no one knows by name, for a VMM of the manager's own (a template's build).
@@ -805,6 +896,13 @@ impl Manager {
     /// keep the suspended, finish what a crash interrupted.
     pub fn recover(&self) {
         self.remove_unfinished_templates();
+        // Fork bases live only while their fork request runs: any left are a killed
+        // manager's (its clones, if made, hold links to the files they need).
+        if let Ok(entries) = std::fs::read_dir(self.dir.join("forks")) {
+            for entry in entries.flatten() {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
         let Ok(entries) = std::fs::read_dir(self.dir.join("sandboxes")) else {
             return;
         };
@@ -1019,6 +1117,16 @@ impl Manager {
         let made = (|| {
             make_dirs(&dir, inner.record.uid.filter(|_| inner.record.jailed))?;
             sandbox.save(&inner)?;
+            // A snapshot to restore is linked into the sandbox's own `vm/base/` (nothing is
+            // copied): the layers its disks stack on are then inside what its jail sees, its
+            // later snapshots can name them, and the template or fork base it came from can
+            // go while it lives.
+            if let Some(snapshot) = inner.record.spec.snapshot.clone() {
+                if let Some(base) = super::fork::link_base(&snapshot, &sandbox.vm_dir())? {
+                    inner.record.spec.snapshot = Some(base);
+                    sandbox.save(&inner)?;
+                }
+            }
             let jail = inner.record.uid.filter(|_| inner.record.jailed);
             let spec = inner.record.spec.clone();
             let vmm = self.start_vmm(&sandbox, &spec, jail, false, &mut |pid, start| {
@@ -1092,8 +1200,14 @@ impl Manager {
                 if snapshot.starts_with(&self.dir) {
                     check_plain(snapshot)?;
                     check_plain(&sandbox.vm_dir().join("disks"))?;
+                    check_plain(&sandbox.vm_dir().join(super::fork::BASE))?;
                 }
-                command.arg("restore").arg(snapshot);
+                // Layers it names by full path must be its own (see disks::open_for_restore).
+                command
+                    .arg("restore")
+                    .arg(snapshot)
+                    .arg("--disk-layers-within")
+                    .arg(sandbox.vm_dir());
                 // The snapshot's policy is kept on wake; a first restore may set one.
                 if let (false, Some(net)) = (wake, &spec.net) {
                     command.args(["--net", net]);

@@ -241,6 +241,9 @@ impl Templates {
         })();
         vmm.stop(&sock);
         result?;
+        // The builder's VMM ran the setup commands' guest: what it wrote is checked and made
+        // root's and read-only before any sandbox restores it.
+        super::fork::seal(&dir.join("vm").join("snap"))?;
         write_atomically(
             &dir.join("template.json"),
             &serde_json::to_vec_pretty(&json!({ "key": key, "template": template }))
