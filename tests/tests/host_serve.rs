@@ -674,3 +674,84 @@ fn a_fork_makes_sandboxes_of_their_own_from_one_snapshot_running_or_asleep() {
     assert_eq!(m.events("forked", "src"), 1);
     assert_eq!(m.events("forked", "src-2"), 1);
 }
+
+/// Every operation of the OpenAPI document the manager serves (`GET /openapi.json`), sent to a
+/// running manager with a probe sandbox: the answer's status is one the document gives for it
+/// (so no route it lists is missing, and no answer is undocumented), every other method on a
+/// documented path is a 405, and a path it does not list is a 404.
+#[test]
+fn every_route_in_the_openapi_document_answers_as_documented() {
+    let dir = TestDir::new("serve-openapi");
+    let m = Manager::start(&dir);
+    let (status, doc) = call(&m.sock, None, "GET", "/openapi.json", None);
+    assert_eq!(status, 200, "{doc}");
+    assert_eq!(doc["openapi"], "3.1.0");
+    m.create_probe("api", None);
+    let mut ops: Vec<(String, String, Value)> = Vec::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            if method != "parameters" {
+                ops.push((method.to_uppercase(), path.clone(), op.clone()));
+            }
+        }
+    }
+    // Deletes last (the sandbox's token, then the sandbox), so every other route meets a
+    // sandbox that is there.
+    let rank = |(method, path, _): &(String, String, Value)| match (method.as_str(), path.as_str())
+    {
+        ("DELETE", "/sandboxes/{name}") => 2,
+        ("DELETE", "/sandboxes/{name}/token") => 1,
+        _ => 0,
+    };
+    ops.sort_by_key(rank);
+    assert!(ops.len() >= 28, "{} operations", ops.len());
+    let methods = ["GET", "PUT", "POST", "DELETE"];
+    let check = |(method, path, op): &(String, String, Value)| {
+        let mut concrete = path.replace("{name}", "api");
+        if concrete.contains("/vm/files") {
+            concrete.push_str("?path=/tmp/openapi-check");
+        }
+        let (status, body) = m.admin(method, &concrete, None);
+        let documented: Vec<&String> = op["responses"].as_object().unwrap().keys().collect();
+        assert!(
+            documented.iter().any(|c| **c == status.to_string()),
+            "{method} {concrete} answered {status} ({body}); openapi.json documents {documented:?}"
+        );
+        assert!(
+            !body.to_string().contains("no such route"),
+            "{method} {concrete}: {body}"
+        );
+    };
+    // The guest agent's routes wait for an agent the probe does not have (10 s each): at
+    // once, side by side; the rest in order.
+    let (agent, others): (Vec<_>, Vec<_>) = ops.iter().partition(|(_, path, _)| {
+        ["/vm/exec", "/vm/files", "/vm/agent"]
+            .iter()
+            .any(|p| path.contains(p))
+    });
+    std::thread::scope(|s| {
+        for op in &agent {
+            s.spawn(|| check(op));
+        }
+    });
+    others.iter().for_each(|op| check(op));
+    // Methods a documented path does not serve.
+    m.create_probe("api", None);
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        let concrete = path.replace("{name}", "api");
+        for method in methods {
+            if item.get(method.to_lowercase()).is_none() {
+                let (status, body) = m.admin(method, &concrete, None);
+                assert_eq!(status, 405, "{method} {concrete}: {body}");
+            }
+        }
+    }
+    let (status, body) = m.admin("GET", "/sandboxes/api/nothing-here", None);
+    assert_eq!(status, 404, "{body}");
+    let (status, body) = m.admin("GET", "/elsewhere", None);
+    assert_eq!(status, 404, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("/openapi.json"),
+        "{body}"
+    );
+}

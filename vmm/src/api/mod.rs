@@ -43,7 +43,7 @@ use std::path::PathBuf;
 use std::sync::mpsc::Sender;
 
 pub use client::{request, request_with_timeout};
-pub use server::{read_and_route, ApiServer, SocketClaim, Timeouts, MAX_CONNECTIONS};
+pub use server::{read_and_route, routes, ApiServer, SocketClaim, Timeouts, MAX_CONNECTIONS};
 pub use socket::MAX_SOCKET_PATH;
 
 /// What a client asks of the VM. The server parses and validates requests into these.

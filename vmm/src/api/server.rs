@@ -685,6 +685,14 @@ const ROUTES: &[Route] = &[
     },
 ];
 
+/// Every route the control socket serves, as (method, path): the VM's own and the guest's.
+pub fn routes() -> impl Iterator<Item = (&'static str, &'static str)> {
+    ROUTES
+        .iter()
+        .map(|r| (r.method, r.path))
+        .chain(guest::ROUTES.iter().copied())
+}
+
 fn route_list() -> String {
     ROUTES
         .iter()

@@ -19,6 +19,7 @@
 //! | `DELETE /sandboxes/NAME/token`          | admin   | revoke its token                      |
 //! | any `/sandboxes/NAME/vm...`             | either  | passed to its VMM as `/vm...` (woken first) |
 //! | `GET /metrics`                          | none    | Prometheus text                       |
+//! | `GET /openapi.json`                     | none    | the API's OpenAPI document ([`OPENAPI`]) |
 //!
 //! "either": the sandbox's own token or the admin token, as `Authorization: Bearer TOKEN`.
 //! The admin token is in `<state-dir>/admin.token` (mode 0600, made at the first start); the
@@ -43,6 +44,27 @@ use serde_json::{json, Value};
 
 use crate::api::http::{self, Refusal, Request};
 use sandbox::{Manager, Spec};
+
+/// The API described: an OpenAPI 3.1 document, served at `GET /openapi.json`. The unit tests
+/// check that its operations are [`ROUTES`] and the VMM's routes under
+/// `/sandboxes/{name}/vm`; `tests/tests/host_serve.rs` sends each to a running manager.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// The manager's own routes, as (method, path with `{name}` for a sandbox's name); every
+/// VMM route is served under `/sandboxes/{name}` too (see [`pass_to_vmm`]).
+pub const ROUTES: &[(&str, &str)] = &[
+    ("GET", "/metrics"),
+    ("GET", "/openapi.json"),
+    ("GET", "/sandboxes"),
+    ("POST", "/sandboxes"),
+    ("GET", "/sandboxes/{name}"),
+    ("DELETE", "/sandboxes/{name}"),
+    ("PUT", "/sandboxes/{name}/pause"),
+    ("PUT", "/sandboxes/{name}/resume"),
+    ("PUT", "/sandboxes/{name}/token"),
+    ("DELETE", "/sandboxes/{name}/token"),
+    ("POST", "/sandboxes/{name}/fork"),
+];
 
 /// Connections served at once; more get 503 at once.
 const MAX_CONNECTIONS: usize = 256;
@@ -309,6 +331,18 @@ fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<()
         let _ = (&mut &*stream).write_all(text.as_bytes());
         return Ok(());
     }
+    if path == "/openapi.json" {
+        if method != "GET" {
+            return Err((405, "GET /openapi.json".into()));
+        }
+        let head = format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            OPENAPI.len()
+        );
+        let _ = (&mut &*stream).write_all(head.as_bytes());
+        let _ = (&mut &*stream).write_all(OPENAPI.as_bytes());
+        return Ok(());
+    }
     if path == "/sandboxes" {
         check_token(manager, request, None, true)?;
         return match method {
@@ -323,7 +357,10 @@ fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<()
     let Some(rest) = path.strip_prefix("/sandboxes/") else {
         return Err((
             404,
-            format!("no such route: {path} (the manager serves /sandboxes and /metrics)"),
+            format!(
+                "no such route: {path} (the manager serves /sandboxes, /metrics and \
+                 /openapi.json, which lists every route)"
+            ),
         ));
     };
     let (name, tail) = rest.split_once('/').unwrap_or((rest, ""));
@@ -455,7 +492,7 @@ fn pass_to_vmm(
     vm: &str,
     client: &UnixStream,
 ) -> Result<(), Refused> {
-    if vm == "/vm/fork" {
+    if vm == "/vm/fork" && request.method == "PUT" {
         return Err((
             409,
             "a sandbox is forked by the manager, which names its clones: POST \
@@ -463,7 +500,7 @@ fn pass_to_vmm(
                 .into(),
         ));
     }
-    if vm == "/vm/shutdown" {
+    if vm == "/vm/shutdown" && request.method == "PUT" {
         return Err((
             409,
             "a sandbox's VMM is ended by the manager: DELETE /sandboxes/NAME, or PUT \
@@ -557,4 +594,95 @@ pub fn absolute_state_dir(dir: &Path) -> Result<PathBuf, ServeError> {
         path: dir.display().to_string(),
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use serde_json::Value;
+
+    use super::{OPENAPI, ROUTES};
+
+    fn documented() -> (Value, BTreeSet<(String, String)>) {
+        let doc: Value = serde_json::from_str(OPENAPI).expect("openapi.json is JSON");
+        let mut ops = BTreeSet::new();
+        for (path, item) in doc["paths"].as_object().expect("paths") {
+            for method in item.as_object().expect("a path item").keys() {
+                if method != "parameters" {
+                    ops.insert((method.to_uppercase(), path.clone()));
+                }
+            }
+        }
+        (doc, ops)
+    }
+
+    #[test]
+    fn the_openapi_document_lists_exactly_the_routes_served() {
+        let (_, documented) = documented();
+        let served: BTreeSet<(String, String)> = ROUTES
+            .iter()
+            .map(|(m, p)| (m.to_string(), p.to_string()))
+            .chain(
+                crate::api::routes()
+                    .map(|(m, p)| (m.to_string(), format!("/sandboxes/{{name}}{p}"))),
+            )
+            .collect();
+        let undocumented: Vec<_> = served.difference(&documented).collect();
+        let not_served: Vec<_> = documented.difference(&served).collect();
+        assert!(
+            undocumented.is_empty() && not_served.is_empty(),
+            "served but not in openapi.json: {undocumented:?}; documented but not served: \
+             {not_served:?}"
+        );
+    }
+
+    #[test]
+    fn every_documented_operation_has_an_id_answers_and_resolvable_schemas() {
+        let (doc, _) = documented();
+        let mut ids = BTreeSet::new();
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            for (method, op) in item.as_object().unwrap() {
+                if method == "parameters" {
+                    continue;
+                }
+                let id = op["operationId"].as_str().unwrap_or_default();
+                assert!(!id.is_empty(), "{method} {path} has no operationId");
+                assert!(ids.insert(id.to_string()), "operationId {id} twice");
+                let responses = op["responses"].as_object().unwrap();
+                // A route kept only to refuse (a sandbox's `PUT /vm/fork` and `/vm/shutdown`)
+                // says so; every other one documents its success.
+                let refused = op["x-mayfly-refused"] == true;
+                assert_eq!(
+                    responses.keys().any(|c| c.starts_with('2')),
+                    !refused,
+                    "{method} {path}: a success documented, or x-mayfly-refused, not both"
+                );
+            }
+        }
+        // Every $ref names a schema that is there.
+        fn refs(v: &Value, out: &mut Vec<String>) {
+            match v {
+                Value::Object(o) => {
+                    if let Some(Value::String(r)) = o.get("$ref") {
+                        out.push(r.clone());
+                    }
+                    o.values().for_each(|v| refs(v, out));
+                }
+                Value::Array(a) => a.iter().for_each(|v| refs(v, out)),
+                _ => {}
+            }
+        }
+        let mut all = Vec::new();
+        refs(&doc, &mut all);
+        for r in all {
+            let name = r
+                .strip_prefix("#/components/schemas/")
+                .unwrap_or_else(|| panic!("{r}: only local schema refs"));
+            assert!(
+                doc["components"]["schemas"][name].is_object(),
+                "{r} is not defined"
+            );
+        }
+    }
 }
