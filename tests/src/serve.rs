@@ -53,15 +53,17 @@ pub struct Manager {
 
 impl Manager {
     pub fn start(dir: &TestDir) -> Manager {
+        Manager::start_with(dir, &[])
+    }
+
+    /// A manager with more `mayfly serve` options.
+    pub fn start_with(dir: &TestDir, extra: &[&str]) -> Manager {
         let sock = dir.join("m.sock");
         let state = dir.join("state");
-        let process = Guest::start(&[
-            "serve",
-            "--state-dir",
-            &state.to_string_lossy(),
-            "--sock",
-            &sock.to_string_lossy(),
-        ]);
+        let (state_arg, sock_arg) = (state.to_string_lossy(), sock.to_string_lossy());
+        let mut args = vec!["serve", "--state-dir", &state_arg, "--sock", &sock_arg];
+        args.extend_from_slice(extra);
+        let process = Guest::start(&args);
         assert!(
             process.wait_stderr("\"event\":\"serving\"", Duration::from_secs(30)),
             "the manager did not start: {}",

@@ -755,3 +755,73 @@ fn every_route_in_the_openapi_document_answers_as_documented() {
         "{body}"
     );
 }
+
+/// `--mem-budget-mib`: creates, wakes and fork clones past the guest memory of the sandboxes
+/// whose VMMs run are refused (429, saying what is held and what to do), leave nothing
+/// behind, and go through once a sandbox sleeps; a manager started again counts the VMMs it
+/// adopts.
+#[test]
+fn the_memory_budget_refuses_what_would_exceed_it_and_says_why() {
+    let dir = TestDir::new("serve-budget");
+    // Probes of 64 MiB: two fit in 160 MiB, three do not.
+    let mut m = Manager::start_with(&dir, &["--mem-budget-mib", "160"]);
+    m.create_probe("a", None);
+    m.create_probe("b", None);
+    let spec = |name: &str| json!({ "name": name, "kernel": probe::ELF, "mem_mib": 64, "cmdline": "touch=1", "probe": true });
+    let refused = |(status, body): (u16, Value), what: &str| {
+        assert_eq!(status, 429, "{what}: {body}");
+        let error = body["error"].as_str().unwrap();
+        assert!(
+            error.contains("memory budget")
+                && error.contains("needs 64 MiB")
+                && error.contains("hold 128 MiB of the 160 MiB")
+                && error.contains("PUT /sandboxes/NAME/pause"),
+            "{what}: {error}"
+        );
+    };
+    refused(
+        m.admin("POST", "/sandboxes", Some(spec("c"))),
+        "a third create",
+    );
+    assert_eq!(m.admin("GET", "/sandboxes/c", None).0, 404);
+    assert!(!m.state.join("sandboxes/c").exists());
+    refused(
+        m.admin("POST", "/sandboxes/b/fork", Some(json!({ "count": 1 }))),
+        "a fork",
+    );
+    assert_eq!(m.admin("GET", "/sandboxes/b-1", None).0, 404);
+    assert!(!m.state.join("sandboxes/b-1").exists());
+    // A sleeping sandbox holds none: then the third fits, and the first cannot wake.
+    let (status, body) = m.admin("PUT", "/sandboxes/a/pause", None);
+    assert_eq!(status, 200, "{body}");
+    m.create_probe("c", None);
+    refused(m.admin("PUT", "/sandboxes/a/resume", None), "a wake");
+    refused(m.admin("GET", "/sandboxes/a/vm", None), "a wake on request");
+    assert_eq!(m.describe("a")["state"], "suspended");
+    // A new manager on the same state counts the VMMs it adopted.
+    m.process.signal(libc::SIGKILL);
+    m.process.wait_exit(Duration::from_secs(10));
+    let m = Manager::start_with(&dir, &["--mem-budget-mib", "160"]);
+    refused(
+        m.admin("PUT", "/sandboxes/a/resume", None),
+        "a wake after a restart",
+    );
+    let (status, _) = m.admin("DELETE", "/sandboxes/c", None);
+    assert_eq!(status, 200);
+    let (status, body) = m.admin("PUT", "/sandboxes/a/resume", None);
+    assert_eq!((status, &body["state"]), (200, &json!("running")), "{body}");
+    let (_, metrics) = call(&m.sock, None, "GET", "/metrics", None);
+    assert!(
+        metrics
+            .as_str()
+            .unwrap()
+            .contains("mayfly_over_budget_total 1"),
+        "{metrics}"
+    );
+    for name in ["a", "b"] {
+        assert_eq!(
+            m.admin("DELETE", &format!("/sandboxes/{name}"), None).0,
+            200
+        );
+    }
+}

@@ -231,6 +231,10 @@ struct ServeArgs {
         conflicts_with = "no_jail"
     )]
     jail_uid_base: u32,
+    /// At most this much guest memory (MiB) in sandboxes whose VMMs run: a create, wake or
+    /// fork past it is refused (429) until a sandbox sleeps or goes. Default: no budget.
+    #[arg(long, value_name = "MIB")]
+    mem_budget_mib: Option<u64>,
 }
 
 #[derive(Args)]
@@ -646,6 +650,7 @@ fn serve_sandboxes(args: ServeArgs) -> ExitCode {
         mayfly,
         jail: !args.no_jail,
         jail_uid_base: args.jail_uid_base,
+        mem_budget_mib: args.mem_budget_mib,
     };
     match mayfly_vmm::serve::serve(&config, stop_rx) {
         Ok(()) => ExitCode::SUCCESS,

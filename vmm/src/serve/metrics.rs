@@ -64,6 +64,8 @@ pub struct Metrics {
     pub execs_failed: AtomicU64,
     pub requests: AtomicU64,
     pub requests_refused: AtomicU64,
+    /// Creates, wakes and fork clones refused by the memory budget.
+    pub over_budget: AtomicU64,
 }
 
 /// What is read at scrape time.
@@ -168,6 +170,12 @@ impl Metrics {
             "mayfly_requests_refused_total",
             "Requests the manager refused (4xx and 5xx).",
             &self.requests_refused,
+        );
+        counter(
+            &mut out,
+            "mayfly_over_budget_total",
+            "VMM starts (creates, wakes, fork clones) refused by the memory budget.",
+            &self.over_budget,
         );
         out
     }

@@ -86,6 +86,9 @@ pub enum ServeError {
     VmmFailed(String),
     #[error("{0}")]
     Busy(String),
+    /// A budget of the manager's would be exceeded.
+    #[error("{0}")]
+    OverBudget(String),
     #[error("cannot {what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -104,6 +107,7 @@ impl ServeError {
             ServeError::Conflict(_) => 409,
             ServeError::VmmFailed(_) => 502,
             ServeError::Busy(_) => 503,
+            ServeError::OverBudget(_) => 429,
             ServeError::Io { .. } | ServeError::Api(_) => 500,
         }
     }
@@ -118,6 +122,9 @@ pub struct ServeConfig {
     pub jail: bool,
     /// Jailed sandboxes run as uids (and gids) from this one on, one each.
     pub jail_uid_base: u32,
+    /// Guest memory (MiB) sandboxes with a running VMM may hold in all (see
+    /// [`sandbox::Manager::reserve_memory`]); `None`: no budget.
+    pub mem_budget_mib: Option<u64>,
 }
 
 /// Serve until `stop` reads something (or closes): the caller's signal handling.
@@ -127,6 +134,7 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
         config.mayfly.clone(),
         config.jail,
         config.jail_uid_base,
+        config.mem_budget_mib,
     )?);
     manager.recover();
     let claim = crate::api::SocketClaim::new(&config.sock)?;

@@ -12,7 +12,7 @@
 //! make one wake, and a delete waits for a suspend; requests passed to a running VMM do not
 //! hold it (an exec may run for minutes).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -218,6 +218,20 @@ impl State {
             State::Dead => "dead",
             State::Deleting => "deleting",
         }
+    }
+}
+
+/// Part of the memory budget held for a VMM while it starts (see
+/// [`Manager::reserve_memory`]).
+pub(super) struct MemoryReservation<'a> {
+    manager: &'a Manager,
+    bytes: u64,
+}
+
+impl Drop for MemoryReservation<'_> {
+    fn drop(&mut self) {
+        let mut starting = lock(&self.manager.mem_starting);
+        *starting = starting.saturating_sub(self.bytes);
     }
 }
 
@@ -648,6 +662,13 @@ pub struct Manager {
     templates: super::template::Templates,
     admin_hash: String,
     sandboxes: Mutex<BTreeMap<String, Arc<Sandbox>>>,
+    /// The memory budget, bytes (`mayfly serve --mem-budget-mib`).
+    mem_budget: Option<u64>,
+    /// Guest memory of starts in flight (reserved, not yet in a record as running), bytes;
+    /// its lock also makes each check-and-reserve one step.
+    mem_starting: Mutex<u64>,
+    /// Guest memory of each VMM by pid, learnt at its start or from its `GET /vm`.
+    mem_of_pid: Mutex<HashMap<u32, u64>>,
     pub metrics: Metrics,
     events: Mutex<std::fs::File>,
     started: Instant,
@@ -660,6 +681,7 @@ impl Manager {
         mayfly: PathBuf,
         jail: bool,
         uid_base: u32,
+        mem_budget_mib: Option<u64>,
     ) -> Result<Manager, ServeError> {
         let io = |what, path: &Path| {
             let path = path.display().to_string();
@@ -693,10 +715,84 @@ impl Manager {
             templates: super::template::Templates::new(dir),
             admin_hash: hash_token(&admin),
             sandboxes: Mutex::new(BTreeMap::new()),
+            mem_budget: mem_budget_mib.map(|m| m.saturating_mul(1 << 20)),
+            mem_starting: Mutex::new(0),
+            mem_of_pid: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
             events: Mutex::new(events),
             started: Instant::now(),
         })
+    }
+
+    /// Guest memory held by sandboxes whose VMM runs (or is starting, suspending), bytes.
+    fn memory_in_use(&self) -> u64 {
+        let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();
+        let mut total = 0u64;
+        let mut live = HashSet::new();
+        for sandbox in all {
+            let view = lock(&sandbox.view).clone();
+            let Some(pid) = view.pid else { continue };
+            live.insert(pid);
+            if matches!(view.state, State::Suspended | State::Dead) {
+                continue;
+            }
+            let known = lock(&self.mem_of_pid).get(&pid).copied();
+            let bytes = known.unwrap_or_else(|| {
+                // A VMM this manager adopted: its own word for its memory.
+                let asked = crate::api::request_with_timeout(
+                    &sandbox.socket(),
+                    "GET",
+                    "/vm",
+                    None,
+                    Duration::from_secs(2),
+                )
+                .ok()
+                .and_then(|(_, vm)| vm["mem_mib"].as_u64())
+                .map(|mib| mib << 20);
+                if let Some(bytes) = asked {
+                    lock(&self.mem_of_pid).insert(pid, bytes);
+                }
+                asked.unwrap_or(0)
+            });
+            total = total.saturating_add(bytes);
+        }
+        // Ended VMMs are forgotten (a start re-learns its own).
+        lock(&self.mem_of_pid).retain(|pid, _| live.contains(pid));
+        total
+    }
+
+    /// Hold `bytes` of the memory budget for a VMM about to start (none without a budget):
+    /// refused when the running sandboxes and the starts in flight already hold too much.
+    /// The reservation ends when the returned guard drops, by when the started VMM is in its
+    /// record (so it is counted there: for a moment twice, never not at all).
+    pub(super) fn reserve_memory(
+        &self,
+        name: &str,
+        bytes: u64,
+    ) -> Result<Option<MemoryReservation<'_>>, ServeError> {
+        let Some(budget) = self.mem_budget else {
+            return Ok(None);
+        };
+        let mut starting = lock(&self.mem_starting);
+        let in_use = self.memory_in_use().saturating_add(*starting);
+        if in_use.saturating_add(bytes) > budget {
+            self.metrics.over_budget.fetch_add(1, Ordering::Relaxed);
+            return Err(ServeError::OverBudget(format!(
+                "memory budget: {} needs {} MiB, and sandboxes running hold {} MiB of the {} MiB \
+                 budget (mayfly serve --mem-budget-mib): pause or delete one (PUT \
+                 /sandboxes/NAME/pause sleeps it to disk), or start the manager with a larger \
+                 budget",
+                name,
+                bytes >> 20,
+                in_use >> 20,
+                budget >> 20
+            )));
+        }
+        *starting += bytes;
+        Ok(Some(MemoryReservation {
+            manager: self,
+            bytes,
+        }))
     }
 
     pub(super) fn mayfly(&self) -> &Path {
@@ -1193,6 +1289,17 @@ impl Manager {
         } else {
             spec.snapshot.clone()
         };
+        // Its guest memory, for the budget: a restore's is its memory file's length, a
+        // boot's what it asks for.
+        let guest_bytes = match &restore_from {
+            Some(snapshot) => {
+                std::fs::symlink_metadata(snapshot.join(mayfly_snapshot::MEMORY_FILE))
+                    .map(|m| m.len())
+                    .unwrap_or(0)
+            }
+            None => spec.mem_mib.unwrap_or(crate::config::DEFAULT_MEM_MIB) << 20,
+        };
+        let _reservation = self.reserve_memory(&sandbox.name, guest_bytes)?;
         match &restore_from {
             Some(snapshot) => {
                 // A snapshot the manager keeps was written by a VMM (jailed, perhaps
@@ -1251,6 +1358,7 @@ impl Manager {
             source,
         })?;
         let pid = child.id();
+        lock(&self.mem_of_pid).insert(pid, guest_bytes);
         let pidfd = crate::zygote::pidfd_open(libc::pid_t::try_from(pid).unwrap_or(-1)).map_err(
             |source| ServeError::Io {
                 what: "follow (pidfd_open) the VMM of",
