@@ -665,6 +665,52 @@ fn a_fork_makes_sandboxes_of_their_own_from_one_snapshot_running_or_asleep() {
     assert_eq!(body["clones"][0]["name"], "kid", "{body}");
     assert_eq!(m.describe("src-2")["state"], "suspended");
     assert_eq!(m.describe("src-2")["wakes"], 0);
+    // The source's own files stay its own (the seal copied what it shares with the base, and
+    // left the base's files root's), so after the fork it wakes, sleeps and wakes again, its
+    // disk layers and all.
+    fn owners(path: &std::path::Path, out: &mut Vec<(std::path::PathBuf, u32)>) {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::symlink_metadata(path).unwrap();
+        out.push((path.to_path_buf(), meta.uid()));
+        if meta.is_dir() {
+            for entry in std::fs::read_dir(path).unwrap() {
+                owners(&entry.unwrap().path(), out);
+            }
+        }
+    }
+    let uid = m.describe("src-2")["uid"].as_u64().unwrap();
+    let mut files = Vec::new();
+    owners(&m.state.join("sandboxes/src-2/vm/snap"), &mut files);
+    for (path, owner) in &files {
+        assert_eq!(
+            u64::from(*owner),
+            uid,
+            "{} was taken from the source",
+            path.display()
+        );
+    }
+    let mut files = Vec::new();
+    owners(&m.state.join("sandboxes/kid/vm/base"), &mut files);
+    for (path, owner) in &files {
+        assert_eq!(
+            *owner,
+            0,
+            "{} of the clone's base is not root's",
+            path.display()
+        );
+    }
+    for _ in 0..2 {
+        let (status, body) = m.admin("PUT", "/sandboxes/src-2/resume", None);
+        assert_eq!((status, &body["state"]), (200, &json!("running")), "{body}");
+        let (status, body) = m.admin("PUT", "/sandboxes/src-2/pause", None);
+        assert_eq!(
+            (status, &body["state"]),
+            (200, &json!("suspended")),
+            "{body}"
+        );
+    }
+    let (status, body) = m.admin("PUT", "/sandboxes/src-2/resume", None);
+    assert_eq!((status, &body["state"]), (200, &json!("running")), "{body}");
     m.wait_probe("kid", "verified", 1);
     // The clone takes the idle timeout it was given, and wakes again.
     m.wait_state("kid", "suspended", Duration::from_secs(30));

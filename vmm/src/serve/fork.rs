@@ -1,12 +1,13 @@
 //! Forks through the manager: `POST /sandboxes/NAME/fork` makes N new sandboxes, each a
 //! copy-on-write restore of one snapshot of NAME, each with a name and a token of its own.
 //!
-//! 1. The source is snapshotted once: a running one is paused, snapshotted into its own
-//!    `vm/` (all its jail may write) and resumed (left paused if its user had paused it); a
-//!    sleeping one is not woken: its own snapshot is used.
-//! 2. That snapshot becomes a **fork base** in `<state-dir>/forks/<id>/`, sealed: root's, read
-//!    only, checked to hold nothing but plain files, so no VMM can change what the clones
-//!    restore after the fact.
+//! 1. The source sleeps: a running one is suspended (snapshot, then its VMM exits) and woken
+//!    again once the base is made; a sleeping one is not woken. Root touches what a VMM wrote
+//!    only while no process of that VMM's uid runs, as before every wake.
+//! 2. Its snapshot becomes a **fork base** in `<state-dir>/forks/<id>/`: linked there, checked
+//!    to hold nothing but plain files, its disk layers gathered in, and sealed: root's and
+//!    read-only, the files the source keeps using copied (see [`seal`]), so no VMM can change
+//!    what the clones restore after the fact.
 //! 3. Each clone is created as any sandbox is: the base is hard-linked into its own
 //!    `vm/base/` (nothing is copied; every clone's RAM maps the same files, so the page cache
 //!    holds the base once) and restored from there with the clock, entropy and identity
@@ -105,27 +106,83 @@ pub(super) fn link_base(snapshot: &Path, vm_dir: &Path) -> Result<Option<PathBuf
     }
 }
 
-/// Make a snapshot root's and read-only, all through: what a VMM (whose uid owned it) can no
-/// longer change. Its disk layers are shared with the VMM that wrote it (hard links), which
-/// never writes a frozen layer; so it reads them as before, and names them by full path in
-/// its later snapshots (see `disks::link_into_snapshot`).
+/// Make a fork base root's and read-only, all through, so no VMM can change what the clones
+/// restore: a file root already owns (a template's, linked in) is kept, one whose only name is
+/// here becomes root's, and one the source shares with its own snapshot (a hard link) is
+/// replaced by a copy of root's (holes kept), so the source's files stay its own (it links
+/// them into its next snapshot) and nothing of it reaches the clones. Called only while no
+/// process of the source's uid runs.
 pub(super) fn seal(dir: &Path) -> Result<(), ServeError> {
     super::sandbox::check_plain(dir)?;
     seal_tree(dir).map_err(io_error("seal (make root's and read-only)", dir))
 }
 
 fn seal_tree(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
     let meta = std::fs::symlink_metadata(path)?;
-    std::os::unix::fs::lchown(path, Some(0), Some(0))?;
     if meta.is_dir() {
+        std::os::unix::fs::lchown(path, Some(0), Some(0))?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))?;
         for entry in std::fs::read_dir(path)? {
             seal_tree(&entry?.path())?;
         }
-    } else {
+    } else if meta.is_file() {
+        if meta.uid() != 0 {
+            if meta.nlink() == 1 {
+                // Its only name is here and no process of its uid runs: root's in place.
+                std::os::unix::fs::lchown(path, Some(0), Some(0))?;
+            } else {
+                copy_as_root(path)?;
+            }
+        }
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444))?;
+    } else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{} is not a plain file or directory", path.display()),
+        ));
     }
     Ok(())
+}
+
+/// Replace `path` by a copy of root's: its data extents copied, its holes left holes.
+fn copy_as_root(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let from = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    let len = from.metadata()?.len();
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+    let tmp = path.with_file_name(format!(".{}.sealing", name.unwrap_or_default()));
+    let to = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    let copied = (|| {
+        to.set_len(len)?;
+        let mut buf = vec![0u8; 1 << 20];
+        for (start, size) in crate::memory::data_extents(&from, 0, len)? {
+            let mut done = 0u64;
+            while done < size {
+                let want =
+                    usize::try_from((size - done).min(buf.len() as u64)).unwrap_or(buf.len());
+                let n = from.read_at(&mut buf[..want], start + done)?;
+                if n == 0 {
+                    break;
+                }
+                to.write_all_at(&buf[..n], start + done)?;
+                done += n as u64;
+            }
+        }
+        to.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if copied.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    copied
 }
 
 /// The clones' names: the ones asked for, or `NAME-k` for the first free k.
@@ -206,20 +263,14 @@ pub fn fork(
         SEQ.fetch_add(1, Ordering::Relaxed)
     );
     let base = forks.join(&id);
-    // 1-2. One sealed snapshot of the source.
-    // Layers its snapshot names by full path (those it stacks on, in its own `vm/base/`) are
-    // gathered in: the base must not depend on the source, which may go before its clones.
-    let snapshotted = manager
-        .fork_snapshot(source, &base, &id)
-        .and_then(|()| {
-            crate::disks::gather_layers(&base, &source.vm_dir())
-                .map_err(|e| ServeError::VmmFailed(e.to_string()))
-        })
-        .and_then(|_| seal(&base));
-    if let Err(e) = snapshotted {
-        let _ = std::fs::remove_dir_all(&base);
-        return Err(e);
-    }
+    // 1-2. One sealed snapshot of the source. Layers its snapshot names by full path (those
+    // it stacks on, in its own `vm/base/`) are gathered in: the base must not depend on the
+    // source, which may go before its clones.
+    manager.fork_snapshot(source, &base, &|base| {
+        crate::disks::gather_layers(base, &source.vm_dir())
+            .map_err(|e| ServeError::VmmFailed(e.to_string()))?;
+        seal(base)
+    })?;
     let snapshot_ms = start.elapsed().as_secs_f64() * 1e3;
     let idle = request
         .idle_timeout_s

@@ -12,7 +12,7 @@
 //! make one wake, and a delete waits for a suspend; requests passed to a running VMM do not
 //! hold it (an exec may run for minutes).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -264,6 +264,10 @@ pub struct Record {
     /// nothing else on the host, runs as it), so nothing but its VMM can use its files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uid: Option<u32>,
+    /// Its running VMM's guest memory, bytes, for the memory budget: set at its start (a
+    /// record from before budgets has none, and counts 0 until its next start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_bytes: Option<u64>,
 }
 
 /// A sandbox's running VMM.
@@ -667,8 +671,6 @@ pub struct Manager {
     /// Guest memory of starts in flight (reserved, not yet in a record as running), bytes;
     /// its lock also makes each check-and-reserve one step.
     mem_starting: Mutex<u64>,
-    /// Guest memory of each VMM by pid, learnt at its start or from its `GET /vm`.
-    mem_of_pid: Mutex<HashMap<u32, u64>>,
     pub metrics: Metrics,
     events: Mutex<std::fs::File>,
     started: Instant,
@@ -717,48 +719,22 @@ impl Manager {
             sandboxes: Mutex::new(BTreeMap::new()),
             mem_budget: mem_budget_mib.map(|m| m.saturating_mul(1 << 20)),
             mem_starting: Mutex::new(0),
-            mem_of_pid: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
             events: Mutex::new(events),
             started: Instant::now(),
         })
     }
 
-    /// Guest memory held by sandboxes whose VMM runs (or is starting, suspending), bytes.
+    /// Guest memory held by sandboxes whose VMM runs (starting, running, suspending or
+    /// being woken: whenever its record has a pid), bytes, from their root-owned records.
     fn memory_in_use(&self) -> u64 {
         let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();
-        let mut total = 0u64;
-        let mut live = HashSet::new();
-        for sandbox in all {
-            let view = lock(&sandbox.view).clone();
-            let Some(pid) = view.pid else { continue };
-            live.insert(pid);
-            if matches!(view.state, State::Suspended | State::Dead) {
-                continue;
-            }
-            let known = lock(&self.mem_of_pid).get(&pid).copied();
-            let bytes = known.unwrap_or_else(|| {
-                // A VMM this manager adopted: its own word for its memory.
-                let asked = crate::api::request_with_timeout(
-                    &sandbox.socket(),
-                    "GET",
-                    "/vm",
-                    None,
-                    Duration::from_secs(2),
-                )
-                .ok()
-                .and_then(|(_, vm)| vm["mem_mib"].as_u64())
-                .map(|mib| mib << 20);
-                if let Some(bytes) = asked {
-                    lock(&self.mem_of_pid).insert(pid, bytes);
-                }
-                asked.unwrap_or(0)
-            });
-            total = total.saturating_add(bytes);
-        }
-        // Ended VMMs are forgotten (a start re-learns its own).
-        lock(&self.mem_of_pid).retain(|pid, _| live.contains(pid));
-        total
+        all.iter()
+            .filter_map(|sandbox| {
+                let view = lock(&sandbox.view);
+                view.pid.map(|_| view.guest_bytes.unwrap_or(0))
+            })
+            .fold(0u64, u64::saturating_add)
     }
 
     /// Hold `bytes` of the memory budget for a VMM about to start (none without a budget):
@@ -773,6 +749,14 @@ impl Manager {
         let Some(budget) = self.mem_budget else {
             return Ok(None);
         };
+        if bytes > budget {
+            return Err(ServeError::BadRequest(format!(
+                "{name} needs {} MiB, more than the whole memory budget of {} MiB (mayfly serve \
+                 --mem-budget-mib): give it less memory or the manager a larger budget",
+                bytes >> 20,
+                budget >> 20
+            )));
+        }
         let mut starting = lock(&self.mem_starting);
         let in_use = self.memory_in_use().saturating_add(*starting);
         if in_use.saturating_add(bytes) > budget {
@@ -811,70 +795,49 @@ impl Manager {
         &self,
         source: &Sandbox,
         into: &Path,
-        name: &str,
+        prepare: &dyn Fn(&Path) -> Result<(), ServeError>,
     ) -> Result<(), ServeError> {
         let mut inner = lock(&source.inner);
         if inner.record.state == State::Running && inner.vmm.as_ref().is_none_or(Vmm::exited) {
             self.note_death(source, &mut inner);
         }
         source.touch(self);
-        match inner.record.state {
-            State::Suspended => {
-                let snapshot = source.snapshot_dir();
-                check_plain(&snapshot)?;
-                super::fork::link_snapshot(&snapshot, into)
-            }
+        // A running source sleeps first: root reads, links and copies what its VMM wrote only
+        // once no process of its uid runs (a live VMM could swap a name for a link under
+        // root's feet, or keep a descriptor to write through), as before every wake.
+        let was_running = match inner.record.state {
             State::Running => {
-                let sock = source.socket();
-                let request = |method: &str, path: &str, body: Option<&Value>| {
-                    crate::api::request_with_timeout(&sock, method, path, body, VMM_REQUEST_TIMEOUT)
-                        .map_err(|e| format!("{method} {path}: {e}"))
-                };
-                let tmp = source.vm_dir().join(name);
-                let paused_by_user = match request("PUT", "/vm/pause", None) {
-                    Ok((409, _)) => true,
-                    Ok((status, _)) if status < 300 => false,
-                    Ok((status, body)) => {
-                        return Err(ServeError::VmmFailed(format!(
-                            "could not pause sandbox {} to fork it: {status} {body}",
-                            source.name
-                        )))
-                    }
-                    Err(e) => return Err(ServeError::VmmFailed(e)),
-                };
-                let snapped = match request("PUT", "/vm/snapshot", Some(&json!({ "path": tmp }))) {
-                    Ok((status, _)) if status < 300 => Ok(()),
-                    Ok((status, body)) => Err(format!("{status} {body}")),
-                    Err(e) => Err(e),
-                };
-                if !paused_by_user {
-                    let _ = request("PUT", "/vm/resume", None);
-                }
-                if let Err(e) = snapped {
-                    let _ = std::fs::remove_dir_all(&tmp);
-                    return Err(ServeError::VmmFailed(format!(
-                        "could not snapshot sandbox {} to fork it: {e}",
-                        source.name
-                    )));
-                }
-                let moved = check_plain(&tmp).and_then(|()| {
-                    std::fs::rename(&tmp, into).map_err(|source| ServeError::Io {
-                        what: "move the fork's snapshot to",
-                        path: into.display().to_string(),
-                        source,
-                    })
-                });
-                if moved.is_err() {
-                    let _ = std::fs::remove_dir_all(&tmp);
-                }
-                moved
+                self.suspend_locked(source, &mut inner)?;
+                true
             }
-            other => Err(ServeError::Conflict(format!(
-                "sandbox {} is {}: only a running or sleeping sandbox can be forked",
-                source.name,
-                other.name()
-            ))),
+            State::Suspended => false,
+            other => {
+                return Err(ServeError::Conflict(format!(
+                    "sandbox {} is {}: only a running or sleeping sandbox can be forked",
+                    source.name,
+                    other.name()
+                )))
+            }
+        };
+        let snapshot = source.snapshot_dir();
+        let made = check_plain(&snapshot)
+            .and_then(|()| super::fork::link_snapshot(&snapshot, into))
+            .and_then(|()| prepare(into));
+        if made.is_err() {
+            let _ = std::fs::remove_dir_all(into);
         }
+        if was_running {
+            // Back as it was; if it cannot wake now, it stays asleep and wakes on its next
+            // request (the fork does not fail for it).
+            if let Err(e) = self.wake(source, &mut inner) {
+                self.event(
+                    "fork_source_asleep",
+                    &source.name,
+                    json!({ "error": e.to_string() }),
+                );
+            }
+        }
+        made
     }
 
     /// A sandbox no one knows by name, for a VMM of the manager's own (a template's build).
@@ -894,6 +857,7 @@ impl Manager {
             died: None,
             jailed: uid.is_some(),
             uid,
+            guest_bytes: None,
         };
         Sandbox::new(dir.to_path_buf(), record, self)
     }
@@ -1203,6 +1167,7 @@ impl Manager {
                 died: None,
                 jailed: self.jail,
                 uid,
+                guest_bytes: None,
             };
             let sandbox = Arc::new(Sandbox::new(dir.clone(), record, self));
             all.insert(name.to_owned(), Arc::clone(&sandbox));
@@ -1225,9 +1190,10 @@ impl Manager {
             }
             let jail = inner.record.uid.filter(|_| inner.record.jailed);
             let spec = inner.record.spec.clone();
-            let vmm = self.start_vmm(&sandbox, &spec, jail, false, &mut |pid, start| {
+            let vmm = self.start_vmm(&sandbox, &spec, jail, false, &mut |pid, start, bytes| {
                 inner.record.pid = Some(pid);
                 inner.record.pid_start = start;
+                inner.record.guest_bytes = Some(bytes);
                 sandbox.save(&inner)
             })?;
             inner.vmm = Some(vmm);
@@ -1264,7 +1230,7 @@ impl Manager {
         spec: &Spec,
         jail_uid: Option<u32>,
         wake: bool,
-        persist: &mut dyn FnMut(u32, Option<u64>) -> Result<(), ServeError>,
+        persist: &mut dyn FnMut(u32, Option<u64>, u64) -> Result<(), ServeError>,
     ) -> Result<Vmm, ServeError> {
         let sock = sandbox.socket();
         let log_path = sandbox.dir.join("vmm.log");
@@ -1297,7 +1263,10 @@ impl Manager {
                     .map(|m| m.len())
                     .unwrap_or(0)
             }
-            None => spec.mem_mib.unwrap_or(crate::config::DEFAULT_MEM_MIB) << 20,
+            None => spec
+                .mem_mib
+                .unwrap_or(crate::config::DEFAULT_MEM_MIB)
+                .saturating_mul(1 << 20),
         };
         let _reservation = self.reserve_memory(&sandbox.name, guest_bytes)?;
         match &restore_from {
@@ -1358,7 +1327,6 @@ impl Manager {
             source,
         })?;
         let pid = child.id();
-        lock(&self.mem_of_pid).insert(pid, guest_bytes);
         let pidfd = crate::zygote::pidfd_open(libc::pid_t::try_from(pid).unwrap_or(-1)).map_err(
             |source| ServeError::Io {
                 what: "follow (pidfd_open) the VMM of",
@@ -1373,7 +1341,7 @@ impl Manager {
         };
         // Saved before anything else: a manager killed from here on finds this process in
         // the record (and ends or adopts it) instead of leaving it running unowned.
-        if let Err(e) = persist(pid, start_time(pid)) {
+        if let Err(e) = persist(pid, start_time(pid), guest_bytes) {
             vmm.kill();
             return Err(e);
         }
@@ -1489,9 +1457,10 @@ impl Manager {
         let start = Instant::now();
         let spec = inner.record.spec.clone();
         let jail = inner.record.uid.filter(|_| inner.record.jailed);
-        let started = self.start_vmm(sandbox, &spec, jail, true, &mut |pid, start| {
+        let started = self.start_vmm(sandbox, &spec, jail, true, &mut |pid, start, bytes| {
             inner.record.pid = Some(pid);
             inner.record.pid_start = start;
+            inner.record.guest_bytes = Some(bytes);
             sandbox.save(inner)
         });
         match started {

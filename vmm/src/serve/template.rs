@@ -205,7 +205,7 @@ impl Templates {
             &template.boot_spec(),
             jail_uid,
             false,
-            &mut |pid, start| Manager::save_started(&builder, pid, start),
+            &mut |pid, start, _| Manager::save_started(&builder, pid, start),
         )?;
         let sock = builder.socket();
         let result = (|| {
