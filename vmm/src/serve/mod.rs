@@ -229,6 +229,16 @@ fn reply(stream: &UnixStream, status: u16, body: &Value) {
     let _ = (&mut &*stream).write_all(&http::encode_response(status, Some(body), &[]));
 }
 
+/// A 200 with `body` as it is (the metrics text, the OpenAPI document).
+fn reply_document(stream: &UnixStream, content_type: &str, body: &str) {
+    let head = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = (&mut &*stream).write_all(head.as_bytes());
+    let _ = (&mut &*stream).write_all(body.as_bytes());
+}
+
 fn error_reply(stream: &UnixStream, status: u16, message: impl Into<String>) {
     reply(stream, status, &json!({ "error": message.into() }));
 }
@@ -331,24 +341,14 @@ fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<()
             return Err((405, "GET /metrics".into()));
         }
         let text = manager.metrics.render(&manager.gauges());
-        let head = format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            text.len()
-        );
-        let _ = (&mut &*stream).write_all(head.as_bytes());
-        let _ = (&mut &*stream).write_all(text.as_bytes());
+        reply_document(stream, "text/plain; version=0.0.4", &text);
         return Ok(());
     }
     if path == "/openapi.json" {
         if method != "GET" {
             return Err((405, "GET /openapi.json".into()));
         }
-        let head = format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            OPENAPI.len()
-        );
-        let _ = (&mut &*stream).write_all(head.as_bytes());
-        let _ = (&mut &*stream).write_all(OPENAPI.as_bytes());
+        reply_document(stream, "application/json", OPENAPI);
         return Ok(());
     }
     if path == "/sandboxes" {
