@@ -35,6 +35,7 @@ packages=(
     linux-source-6.1 build-essential flex bison bc libelf-dev libssl-dev cpio xz-utils
     busybox-static libclang-dev util-linux python3 mmdebstrap e2fsprogs
     iproute2 nftables curl
+    python3-pytest python3-venv
 )
 missing=()
 for p in "${packages[@]}"; do
