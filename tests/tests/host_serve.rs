@@ -871,3 +871,176 @@ fn the_memory_budget_refuses_what_would_exceed_it_and_says_why() {
         );
     }
 }
+
+/// How many life-cycle events of `kind` the manager logged (for any sandbox).
+fn events_of(m: &Manager, kind: &str) -> Vec<Value> {
+    std::fs::read_to_string(m.state.join("events.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|e| e["event"] == kind)
+        .collect()
+}
+
+/// Wait until `done` holds, or fail saying `what`.
+fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `--expire-after`: a sandbox asleep that long is deleted, snapshot and all, while one that
+/// runs is kept; `--template-ttl`: a template no create has used that long is collected, the
+/// sandbox made from it still sleeps and wakes, and the next create builds it again.
+#[test]
+fn sleeping_sandboxes_expire_and_unused_templates_are_collected() {
+    let dir = TestDir::new("serve-expire");
+    let m = Manager::start_with(&dir, &["--expire-after", "2s", "--template-ttl", "2s"]);
+    m.create_probe("sleeper", None);
+    m.create_probe("awake", None);
+    let (status, body) = m.admin("PUT", "/sandboxes/sleeper/pause", None);
+    assert_eq!(status, 200, "{body}");
+    wait_until(
+        "the sleeping sandbox never expired",
+        Duration::from_secs(30),
+        || m.admin("GET", "/sandboxes/sleeper", None).0 == 404,
+    );
+    assert!(!m.state.join("sandboxes/sleeper").exists());
+    let expired = events_of(&m, "expired");
+    assert_eq!(expired.len(), 1, "{expired:?}");
+    assert_eq!(expired[0]["sandbox"], "sleeper");
+    assert!(
+        expired[0]["asleep_ms"].as_u64().unwrap() >= 2000,
+        "{expired:?}"
+    );
+    assert_eq!(m.describe("awake")["state"], "running");
+
+    let template =
+        json!({ "kernel": probe::ELF, "mem_mib": 64, "cmdline": "touch=1", "probe": true });
+    m.create(json!({ "name": "made", "template": template }));
+    let templates = m.state.join("templates");
+    let count = || {
+        std::fs::read_dir(&templates)
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    assert_eq!(count(), 1);
+    wait_until(
+        "the unused template was never collected",
+        Duration::from_secs(30),
+        || count() == 0,
+    );
+    assert_eq!(events_of(&m, "template_collected").len(), 1);
+    // Its sandbox does not need it: it sleeps and wakes with its memory (the probe checks
+    // every page it wrote after the wake).
+    m.wait_probe("made", "waiting", 1);
+    let (status, body) = m.admin("PUT", "/sandboxes/made/pause", None);
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = m.admin("PUT", "/sandboxes/made/resume", None);
+    assert_eq!((status, &body["state"]), (200, &json!("running")), "{body}");
+    m.wait_probe("made", "verified", 1);
+    m.create(json!({ "name": "again", "template": template }));
+    assert_eq!(events_of(&m, "template_built").len(), 2);
+    let (_, metrics) = call(&m.sock, None, "GET", "/metrics", None);
+    assert!(
+        metrics.as_str().unwrap().contains("mayfly_expired_total 1"),
+        "{metrics}"
+    );
+    for name in ["awake", "made", "again"] {
+        assert_eq!(
+            m.admin("DELETE", &format!("/sandboxes/{name}"), None).0,
+            200
+        );
+    }
+}
+
+/// `--disk-budget-mib`: a suspend whose snapshot could take the sandboxes past it is refused
+/// (429, saying what is kept and what to do) and the sandbox stays awake; once a sleeping
+/// sandbox is deleted, the suspend goes through.
+#[test]
+fn the_disk_budget_refuses_a_suspend_that_could_exceed_it() {
+    let dir = TestDir::new("serve-disk-budget");
+    // Probes of 64 MiB that write every page: one snapshot fits in 100 MiB, two do not.
+    let m = Manager::start_with(&dir, &["--disk-budget-mib", "100"]);
+    m.create_probe("a", None);
+    m.create_probe("b", None);
+    m.wait_probe("a", "waiting", 1);
+    m.wait_probe("b", "waiting", 1);
+    let (status, body) = m.admin("PUT", "/sandboxes/a/pause", None);
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = m.admin("PUT", "/sandboxes/b/pause", None);
+    assert_eq!(status, 429, "{body}");
+    let error = body["error"].as_str().unwrap();
+    assert!(
+        error.contains("disk budget")
+            && error.contains("of the 100 MiB budget")
+            && error.contains("delete a sleeping sandbox"),
+        "{error}"
+    );
+    assert_eq!(m.describe("b")["state"], "running");
+    assert_eq!(events_of(&m, "suspend_refused").len(), 1);
+    assert_eq!(m.admin("DELETE", "/sandboxes/a", None).0, 200);
+    let (status, body) = m.admin("PUT", "/sandboxes/b/pause", None);
+    assert_eq!(
+        (status, &body["state"]),
+        (200, &json!("suspended")),
+        "{body}"
+    );
+    assert_eq!(m.admin("DELETE", "/sandboxes/b", None).0, 200);
+}
+
+/// `--when-over-budget suspend-idle`: a create or wake past the memory budget puts the
+/// longest-idle running sandbox to sleep on disk first, instead of being refused.
+#[test]
+fn past_the_memory_budget_the_longest_idle_sandbox_sleeps_to_make_room() {
+    let dir = TestDir::new("serve-make-room");
+    // Probes of 64 MiB: two fit in 160 MiB.
+    let m = Manager::start_with(
+        &dir,
+        &[
+            "--mem-budget-mib",
+            "160",
+            "--when-over-budget",
+            "suspend-idle",
+        ],
+    );
+    m.create_probe("a", None);
+    m.create_probe("b", None);
+    m.wait_probe("a", "waiting", 1);
+    m.wait_probe("b", "waiting", 1);
+    // b used last: a is the longest idle.
+    assert_eq!(m.admin("GET", "/sandboxes/b/vm", None).0, 200);
+    m.create_probe("c", None);
+    let states =
+        |m: &Manager| ["a", "b", "c"].map(|n| m.describe(n)["state"].as_str().unwrap().to_string());
+    assert_eq!(states(&m), ["suspended", "running", "running"]);
+    // A request for a wakes it, and b (now idle longest) sleeps for it.
+    assert_eq!(m.admin("GET", "/sandboxes/a/vm", None).0, 200);
+    assert_eq!(states(&m), ["running", "suspended", "running"]);
+    m.wait_probe("a", "verified", 1);
+    let made_room: Vec<(String, String)> = events_of(&m, "making_room")
+        .iter()
+        .map(|e| {
+            (
+                e["sandbox"].as_str().unwrap().into(),
+                e["for"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        made_room,
+        [("a".to_string(), "c".to_string()), ("b".into(), "a".into())]
+    );
+    let (_, metrics) = call(&m.sock, None, "GET", "/metrics", None);
+    let metrics = metrics.as_str().unwrap().to_string();
+    assert!(metrics.contains("mayfly_made_room_total 2"), "{metrics}");
+    assert!(metrics.contains("mayfly_over_budget_total 0"), "{metrics}");
+    for name in ["a", "b", "c"] {
+        assert_eq!(
+            m.admin("DELETE", &format!("/sandboxes/{name}"), None).0,
+            200
+        );
+    }
+}

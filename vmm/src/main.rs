@@ -235,6 +235,57 @@ struct ServeArgs {
     /// fork past it is refused (429) until a sandbox sleeps or goes. Default: no budget.
     #[arg(long, value_name = "MIB")]
     mem_budget_mib: Option<u64>,
+    /// What to do with a create, wake or fork past the memory budget: refuse it (429), or
+    /// put the longest-idle running sandboxes to sleep on disk until it fits.
+    #[arg(
+        long,
+        value_enum,
+        value_name = "POLICY",
+        default_value = "refuse",
+        requires = "mem_budget_mib"
+    )]
+    when_over_budget: OverBudgetPolicy,
+    /// At most this much disk (MiB) for what sandboxes keep (their snapshots, disk layers
+    /// and bases, each file counted once): a suspend that could take more is refused (429),
+    /// and an idle sandbox then stays awake. Default: no budget.
+    #[arg(long, value_name = "MIB")]
+    disk_budget_mib: Option<u64>,
+    /// Delete a sandbox that has been asleep this long (since its suspend or its last
+    /// request, whichever is later), snapshot and all: e.g. 30d, 12h, 90s. Default: never.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration_s)]
+    expire_after: Option<u64>,
+    /// Collect a template that no create has used for this long (sandboxes made from it keep
+    /// working: each has its own links to the files). `never` keeps them.
+    #[arg(long, value_name = "DURATION", default_value = "7d", value_parser = parse_ttl_s)]
+    template_ttl: Ttl,
+}
+
+/// `--template-ttl`: seconds, or none for `never`.
+#[derive(Clone, Copy, Debug)]
+struct Ttl(Option<u64>);
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum OverBudgetPolicy {
+    Refuse,
+    SuspendIdle,
+}
+
+/// A duration (humantime's: 90s, 15m, 12h, 30d...) in whole seconds, at least one.
+fn parse_duration_s(text: &str) -> Result<u64, String> {
+    let d = humantime::parse_duration(text)
+        .map_err(|e| format!("{text}: {e} (e.g. 90s, 15m, 12h, 30d)"))?;
+    match d.as_secs() {
+        0 => Err(format!("{text}: give at least 1s")),
+        s => Ok(s),
+    }
+}
+
+/// A duration as [`parse_duration_s`], or `never`.
+fn parse_ttl_s(text: &str) -> Result<Ttl, String> {
+    if text == "never" {
+        return Ok(Ttl(None));
+    }
+    parse_duration_s(text).map(|s| Ttl(Some(s)))
 }
 
 #[derive(Args)]
@@ -648,9 +699,15 @@ fn serve_sandboxes(args: ServeArgs) -> ExitCode {
         state_dir,
         sock: args.sock,
         mayfly,
-        jail: !args.no_jail,
-        jail_uid_base: args.jail_uid_base,
-        mem_budget_mib: args.mem_budget_mib,
+        policy: mayfly_vmm::serve::Policy {
+            jail: !args.no_jail,
+            jail_uid_base: args.jail_uid_base,
+            mem_budget_mib: args.mem_budget_mib,
+            make_room: matches!(args.when_over_budget, OverBudgetPolicy::SuspendIdle),
+            disk_budget_mib: args.disk_budget_mib,
+            expire_after_s: args.expire_after,
+            template_ttl_s: args.template_ttl.0,
+        },
     };
     match mayfly_vmm::serve::serve(&config, stop_rx) {
         Ok(()) => ExitCode::SUCCESS,

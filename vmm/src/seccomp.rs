@@ -199,6 +199,22 @@ fn build(kind: ThreadKind, mode: Mode) -> Result<BpfProgram, SeccompError> {
     // The net device sets its tap's offloads to what the guest's driver accepted, when the
     // driver starts it: on the vCPU thread that wrote DRIVER_OK, or on its own.
     let tunsetoffload = || request(libc::TUNSETOFFLOAD);
+    // The jail drops the VMM's credentials after its threads have started, and glibc makes
+    // every thread of the process repeat setgroups/setresgid/setresuid (its setxid
+    // broadcast, so the whole process changes at once): every filter lets those through.
+    // They cannot raise a thread's rights: before the drop the thread is root already, and
+    // after it an unprivileged uid can only take ids it holds. setgroups only as the jail
+    // calls it, emptying the list.
+    rules.insert(libc::SYS_setresuid, Vec::new());
+    rules.insert(libc::SYS_setresgid, Vec::new());
+    rules.insert(
+        libc::SYS_setgroups,
+        vec![
+            SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::Eq, 0)
+                .and_then(|c| SeccompRule::new(vec![c]))
+                .map_err(fail)?,
+        ],
+    );
     match kind {
         ThreadKind::Vcpu => {
             let kvm_only = SeccompCondition::new(

@@ -64,8 +64,13 @@ pub struct Metrics {
     pub execs_failed: AtomicU64,
     pub requests: AtomicU64,
     pub requests_refused: AtomicU64,
-    /// Creates, wakes and fork clones refused by the memory budget.
+    /// Creates, wakes and fork clones refused by the memory budget, suspends by the disk
+    /// budget.
     pub over_budget: AtomicU64,
+    /// Sandboxes deleted after sleeping past `--expire-after`.
+    pub expired: AtomicU64,
+    /// Sandboxes put to sleep to make room in the memory budget.
+    pub made_room: AtomicU64,
 }
 
 /// What is read at scrape time.
@@ -174,8 +179,20 @@ impl Metrics {
         counter(
             &mut out,
             "mayfly_over_budget_total",
-            "VMM starts (creates, wakes, fork clones) refused by the memory budget.",
+            "VMM starts (creates, wakes, fork clones) refused by the memory budget, and suspends by the disk budget.",
             &self.over_budget,
+        );
+        counter(
+            &mut out,
+            "mayfly_expired_total",
+            "Sandboxes deleted after sleeping past --expire-after.",
+            &self.expired,
+        );
+        counter(
+            &mut out,
+            "mayfly_made_room_total",
+            "Sandboxes put to sleep to make room in the memory budget (--when-over-budget suspend-idle).",
+            &self.made_room,
         );
         out
     }

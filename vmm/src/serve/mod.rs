@@ -118,6 +118,12 @@ pub struct ServeConfig {
     pub sock: PathBuf,
     /// The mayfly binary the sandboxes' VMMs run.
     pub mayfly: PathBuf,
+    pub policy: Policy,
+}
+
+/// What the manager allows, and what it collects: `mayfly serve`'s options.
+#[derive(Clone, Debug, Default)]
+pub struct Policy {
     /// Jail new sandboxes' VMMs (see vmm/src/jail.rs): the default.
     pub jail: bool,
     /// Jailed sandboxes run as uids (and gids) from this one on, one each.
@@ -125,6 +131,17 @@ pub struct ServeConfig {
     /// Guest memory (MiB) sandboxes with a running VMM may hold in all (see
     /// [`sandbox::Manager::reserve_memory`]); `None`: no budget.
     pub mem_budget_mib: Option<u64>,
+    /// Past the memory budget, put the longest-idle running sandboxes to sleep to make room
+    /// (instead of refusing).
+    pub make_room: bool,
+    /// What the sandboxes may keep on disk in all (MiB; their snapshots, disk layers and
+    /// bases): a suspend that could take more is refused; `None`: no budget.
+    pub disk_budget_mib: Option<u64>,
+    /// A sandbox asleep this long (seconds, since it was suspended or last used, whichever
+    /// is later) is deleted and its snapshot collected; `None`: kept until deleted.
+    pub expire_after_s: Option<u64>,
+    /// A template no create has used for this long (seconds) is collected; `None`: kept.
+    pub template_ttl_s: Option<u64>,
 }
 
 /// Serve until `stop` reads something (or closes): the caller's signal handling.
@@ -132,9 +149,7 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
     let manager = Arc::new(Manager::open(
         &config.state_dir,
         config.mayfly.clone(),
-        config.jail,
-        config.jail_uid_base,
-        config.mem_budget_mib,
+        &config.policy,
     )?);
     manager.recover();
     let claim = crate::api::SocketClaim::new(&config.sock)?;
@@ -154,7 +169,7 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
     manager.event(
         "serving",
         "",
-        json!({ "socket": config.sock, "state_dir": config.state_dir, "jail": config.jail }),
+        json!({ "socket": config.sock, "state_dir": config.state_dir, "jail": config.policy.jail }),
     );
     {
         let manager = Arc::clone(&manager);

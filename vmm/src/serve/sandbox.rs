@@ -44,6 +44,8 @@ const MAX_REQUESTS_PER_SANDBOX: usize = 64;
 
 /// The longest idle timeout: a year.
 const MAX_IDLE_TIMEOUT_S: u64 = 365 * 86_400;
+/// How often templates are looked at for collection (at most; sooner with a shorter TTL).
+const TEMPLATE_CHECK_EVERY: Duration = Duration::from_secs(60);
 
 /// The record's file name in a sandbox's directory.
 const RECORD: &str = "sandbox.json";
@@ -668,6 +670,16 @@ pub struct Manager {
     sandboxes: Mutex<BTreeMap<String, Arc<Sandbox>>>,
     /// The memory budget, bytes (`mayfly serve --mem-budget-mib`).
     mem_budget: Option<u64>,
+    /// Past it, suspend the longest-idle sandboxes instead of refusing.
+    make_room: bool,
+    /// The disk budget, bytes (`--disk-budget-mib`).
+    disk_budget: Option<u64>,
+    /// Asleep this long, a sandbox is deleted (`--expire-after`), ms.
+    expire_after_ms: Option<u64>,
+    /// Unused this long, a template is collected (`--template-ttl`).
+    template_ttl: Option<Duration>,
+    /// When templates were last looked at for collection.
+    templates_checked: Mutex<Option<Instant>>,
     /// Guest memory of starts in flight (reserved, not yet in a record as running), bytes;
     /// its lock also makes each check-and-reserve one step.
     mem_starting: Mutex<u64>,
@@ -681,9 +693,7 @@ impl Manager {
     pub fn open(
         dir: &Path,
         mayfly: PathBuf,
-        jail: bool,
-        uid_base: u32,
-        mem_budget_mib: Option<u64>,
+        policy: &super::Policy,
     ) -> Result<Manager, ServeError> {
         let io = |what, path: &Path| {
             let path = path.display().to_string();
@@ -712,12 +722,17 @@ impl Manager {
         Ok(Manager {
             dir: dir.to_path_buf(),
             mayfly,
-            jail,
-            uid_base,
+            jail: policy.jail,
+            uid_base: policy.jail_uid_base,
             templates: super::template::Templates::new(dir),
             admin_hash: hash_token(&admin),
             sandboxes: Mutex::new(BTreeMap::new()),
-            mem_budget: mem_budget_mib.map(|m| m.saturating_mul(1 << 20)),
+            mem_budget: policy.mem_budget_mib.map(|m| m.saturating_mul(1 << 20)),
+            make_room: policy.make_room,
+            disk_budget: policy.disk_budget_mib.map(|m| m.saturating_mul(1 << 20)),
+            expire_after_ms: policy.expire_after_s.map(|s| s.saturating_mul(1000)),
+            template_ttl: policy.template_ttl_s.map(Duration::from_secs),
+            templates_checked: Mutex::new(None),
             mem_starting: Mutex::new(0),
             metrics: Metrics::default(),
             events: Mutex::new(events),
@@ -758,7 +773,13 @@ impl Manager {
             )));
         }
         let mut starting = lock(&self.mem_starting);
-        let in_use = self.memory_in_use().saturating_add(*starting);
+        let mut in_use = self.memory_in_use().saturating_add(*starting);
+        while self.make_room && in_use.saturating_add(bytes) > budget {
+            if !self.suspend_longest_idle(name, bytes) {
+                break;
+            }
+            in_use = self.memory_in_use().saturating_add(*starting);
+        }
         if in_use.saturating_add(bytes) > budget {
             self.metrics.over_budget.fetch_add(1, Ordering::Relaxed);
             return Err(ServeError::OverBudget(format!(
@@ -777,6 +798,80 @@ impl Manager {
             manager: self,
             bytes,
         }))
+    }
+
+    /// Put the running sandbox idle longest (no request in flight, not `for_name`) to sleep
+    /// to make room for `for_name`: whether one went to sleep. Called with the budget's lock
+    /// held, so a sandbox busy with a wake, suspend or delete (whose lock is taken) is passed
+    /// over rather than waited for: that one may itself be waiting for the budget.
+    fn suspend_longest_idle(&self, for_name: &str, bytes: u64) -> bool {
+        let mut candidates: Vec<(u64, Arc<Sandbox>)> = lock(&self.sandboxes)
+            .values()
+            .filter(|s| s.name != for_name && s.active.load(Ordering::SeqCst) == 0)
+            .filter(|s| {
+                let view = lock(&s.view);
+                view.state == State::Running && view.pid.is_some()
+            })
+            .map(|s| (s.last_used.load(Ordering::SeqCst), Arc::clone(s)))
+            .collect();
+        candidates.sort_by_key(|(last_used, _)| *last_used);
+        for (last_used, sandbox) in candidates {
+            let mut inner = match sandbox.inner.try_lock() {
+                Ok(inner) => inner,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => continue,
+            };
+            if inner.record.state != State::Running {
+                continue;
+            }
+            self.event(
+                "making_room",
+                &sandbox.name,
+                json!({
+                    "for": for_name,
+                    "needs_bytes": bytes,
+                    "idle_ms": self.uptime_ms().saturating_sub(last_used),
+                }),
+            );
+            if self.suspend_locked(&sandbox, &mut inner).is_ok() {
+                self.metrics.made_room.fetch_add(1, Ordering::Relaxed);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// What the sandboxes keep on disk, bytes (each file once, however many links it has).
+    fn disk_in_use(&self) -> u64 {
+        disk_bytes(&self.dir.join("sandboxes"))
+    }
+
+    /// Whether `sandbox` may write a snapshot of `guest_bytes` of memory within the disk
+    /// budget: its snapshot replaces the one it has, and takes at most its memory and a MiB.
+    fn check_disk_for_suspend(
+        &self,
+        sandbox: &Sandbox,
+        guest_bytes: u64,
+    ) -> Result<(), ServeError> {
+        let Some(budget) = self.disk_budget else {
+            return Ok(());
+        };
+        let old = disk_bytes(&sandbox.snapshot_dir());
+        let needs = guest_bytes.saturating_add(1 << 20).saturating_sub(old);
+        let in_use = self.disk_in_use();
+        if in_use.saturating_add(needs) > budget {
+            self.metrics.over_budget.fetch_add(1, Ordering::Relaxed);
+            return Err(ServeError::OverBudget(format!(
+                "disk budget: suspending {} may write up to {} MiB, and sandboxes keep {} MiB of \
+                 the {} MiB budget (mayfly serve --disk-budget-mib): delete a sleeping sandbox, \
+                 or start the manager with a larger budget; it stays awake meanwhile",
+                sandbox.name,
+                needs >> 20,
+                in_use >> 20,
+                budget >> 20
+            )));
+        }
+        Ok(())
     }
 
     pub(super) fn mayfly(&self) -> &Path {
@@ -1521,6 +1616,17 @@ impl Manager {
                 )))
             }
         }
+        if let Err(e) = self.check_disk_for_suspend(sandbox, inner.record.guest_bytes.unwrap_or(0))
+        {
+            self.event(
+                "suspend_refused",
+                &sandbox.name,
+                json!({ "error": e.to_string() }),
+            );
+            // The idle watch tries again after another idle timeout, not at its next pass.
+            sandbox.touch(self);
+            return Err(e);
+        }
         let start = Instant::now();
         inner.record.state = State::Suspending;
         sandbox.save(inner)?;
@@ -1583,9 +1689,17 @@ impl Manager {
 
     /// End a sandbox's VMM and remove everything of it.
     pub fn delete(&self, sandbox: &Sandbox) -> Result<(), ServeError> {
+        let inner = lock(&sandbox.inner);
+        self.delete_locked(sandbox, inner)
+    }
+
+    fn delete_locked(
+        &self,
+        sandbox: &Sandbox,
+        mut inner: MutexGuard<'_, Inner>,
+    ) -> Result<(), ServeError> {
         // A delete that failed half-way (its directory could not be removed) may be tried
         // again: it starts over.
-        let mut inner = lock(&sandbox.inner);
         inner.record.state = State::Deleting;
         sandbox.save(&inner)?;
         if let Some(mut vmm) = inner.vmm.take() {
@@ -1627,9 +1741,14 @@ impl Manager {
     /// One pass of the idle watch: suspend sandboxes idle past their timeout, notice VMMs
     /// that ended, reap.
     pub fn watch_once(self: &Arc<Self>) {
+        self.collect_templates();
         let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();
         for sandbox in all {
             let view = lock(&sandbox.view).clone();
+            if view.state == State::Suspended {
+                self.expire_if_due(&sandbox, &view);
+                continue;
+            }
             if view.state != State::Running {
                 continue;
             }
@@ -1655,6 +1774,59 @@ impl Manager {
             if spawned.is_err() {
                 sandbox.watched.store(false, Ordering::SeqCst);
             }
+        }
+    }
+
+    /// Delete a sandbox asleep past `--expire-after` (since its suspend or its last use),
+    /// checked again under its lock: a request that woke it meanwhile keeps it.
+    fn expire_if_due(&self, sandbox: &Sandbox, view: &Record) {
+        let Some(after) = self.expire_after_ms else {
+            return;
+        };
+        let since = |r: &Record| r.suspended_ms.unwrap_or(0).max(r.last_used_ms);
+        if now_ms().saturating_sub(since(view)) < after || sandbox.active.load(Ordering::SeqCst) > 0
+        {
+            return;
+        }
+        // Under its lock from the check to the delete: a request that wakes it meanwhile
+        // either comes first (and it is not due) or finds it gone.
+        let inner = match sandbox.inner.try_lock() {
+            Ok(inner) => inner,
+            Err(_) => return,
+        };
+        if inner.record.state != State::Suspended
+            || now_ms().saturating_sub(since(&inner.record)) < after
+        {
+            return;
+        }
+        let asleep_ms = now_ms().saturating_sub(since(&inner.record));
+        match self.delete_locked(sandbox, inner) {
+            Ok(()) => {
+                self.metrics.expired.fetch_add(1, Ordering::Relaxed);
+                self.event("expired", &sandbox.name, json!({ "asleep_ms": asleep_ms }));
+            }
+            Err(e) => self.event(
+                "expire_failed",
+                &sandbox.name,
+                json!({ "error": e.to_string() }),
+            ),
+        }
+    }
+
+    /// Collect templates unused past `--template-ttl` (looked at once a minute at most).
+    fn collect_templates(&self) {
+        let Some(ttl) = self.template_ttl else {
+            return;
+        };
+        {
+            let mut checked = lock(&self.templates_checked);
+            if checked.is_some_and(|t| t.elapsed() < TEMPLATE_CHECK_EVERY.min(ttl)) {
+                return;
+            }
+            *checked = Some(Instant::now());
+        }
+        for key in self.templates.collect_unused(ttl) {
+            self.event("template_collected", "", json!({ "template": key }));
         }
     }
 

@@ -155,6 +155,11 @@ impl Templates {
         let _building = lock(&gate);
         let snapshot = dir.join("vm").join("snap");
         if dir.join("template.json").is_file() && snapshot.is_dir() {
+            // Its last use, for collection (--template-ttl): template.json's mtime.
+            let _ = std::fs::File::options()
+                .write(true)
+                .open(dir.join("template.json"))
+                .and_then(|f| f.set_modified(std::time::SystemTime::now()));
             manager.event("template_used", "", json!({ "template": key }));
             return Ok(snapshot);
         }
@@ -181,6 +186,39 @@ impl Templates {
             }),
         );
         Ok(snapshot)
+    }
+
+    /// Remove every template no create has used for `ttl` (its `template.json` untouched
+    /// that long); the keys removed. A template a create is using or building right now is
+    /// left (its gate is taken). Sandboxes made from a collected template keep working: each
+    /// links the snapshot's files into its own directory at its create.
+    pub fn collect_unused(&self, ttl: Duration) -> Vec<String> {
+        let unused = |dir: &Path| {
+            std::fs::metadata(dir.join("template.json"))
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t.elapsed().unwrap_or_default() >= ttl)
+        };
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        let mut collected = Vec::new();
+        for entry in entries.flatten() {
+            let dir = entry.path();
+            // A directory without template.json is a build under way (or a crashed one,
+            // which the next start removes).
+            if !unused(&dir) {
+                continue;
+            }
+            let key = entry.file_name().to_string_lossy().into_owned();
+            let gate = Arc::clone(lock(&self.building).entry(key.clone()).or_default());
+            let Ok(_building) = gate.try_lock() else {
+                continue;
+            };
+            if unused(&dir) && std::fs::remove_dir_all(&dir).is_ok() {
+                collected.push(key);
+            }
+        }
+        collected
     }
 
     fn build(
