@@ -27,14 +27,50 @@ fn shell(m: &Manager, token: &str, name: &str, script: &str) -> (i64, String) {
     )
 }
 
+/// The credential in the sandbox's guest (/run/mayfly/sandbox.json), once it is there.
+fn guest_credential(m: &Manager, token: &str, name: &str) -> String {
+    let deadline = Instant::now() + BOOT_TIMEOUT;
+    loop {
+        let (code, out) = shell(m, token, name, "cat /run/mayfly/sandbox.json 2>/dev/null");
+        if code == 0 {
+            let file: Value = serde_json::from_str(&out).expect("sandbox.json is JSON");
+            assert_eq!(file["sandbox"], name, "{file}");
+            return file["credential"]
+                .as_str()
+                .expect("a credential")
+                .to_string();
+        }
+        assert!(Instant::now() < deadline, "{name} never got its credential");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn verify(m: &Manager, credential: &str) -> Value {
+    let (status, body) = m.admin(
+        "POST",
+        "/credentials/verify",
+        Some(json!({ "credential": credential })),
+    );
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
 #[test]
 fn a_sandbox_wakes_from_disk_with_its_files_and_processes() {
     let dir = TestDir::new("serve-guest");
     let m = Manager::start(&dir);
-    let token = m.create(json!({ "name": "box" }));
+    let token = m.create(json!({ "name": "box", "acts_for": "user:alice" }));
     let vm = m.describe("box");
     let sock = std::path::PathBuf::from(vm["socket"].as_str().unwrap());
     wait_agent(&sock, BOOT_TIMEOUT);
+    // Its credential: in the guest once its agent answers, and the manager vouches for it.
+    let credential = guest_credential(&m, &token, "box");
+    assert_eq!(
+        verify(&m, &credential),
+        json!({ "valid": true, "sandbox": "box", "acts_for": "user:alice", "created_ms": vm["created_ms"] })
+    );
+    let forged = credential.replacen("626f78", "626f79", 1);
+    assert_eq!(verify(&m, &forged)["valid"], false);
 
     let (code, out) = shell(
         &m,
@@ -90,9 +126,23 @@ fn a_sandbox_wakes_from_disk_with_its_files_and_processes() {
     assert_eq!(status, 201, "{body}");
     let (status, _) = m.admin("DELETE", "/sandboxes/box", None);
     assert_eq!(status, 200);
+    let gone = verify(&m, &credential);
+    assert_eq!(gone["valid"], false, "{gone}");
+    assert!(
+        gone["error"].as_str().unwrap().contains("no longer exists"),
+        "{gone}"
+    );
     for clone in body["clones"].as_array().unwrap() {
         let name = clone["name"].as_str().unwrap();
         let token = clone["token"].as_str().unwrap();
+        // Each clone has a credential of its own, before its create answered, acting for
+        // whom its source did.
+        let mine = verify(&m, &guest_credential(&m, token, name));
+        assert_eq!(
+            (&mine["valid"], &mine["sandbox"], &mine["acts_for"]),
+            (&json!(true), &json!(name), &json!("user:alice")),
+            "{mine}"
+        );
         let (code, out) = shell(
             &m,
             token,

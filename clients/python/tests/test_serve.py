@@ -4,6 +4,7 @@ a manager these tests fail; they never skip."""
 
 import asyncio
 import hashlib
+import json
 import os
 import time
 
@@ -25,10 +26,14 @@ def client():
 
 
 def test_the_life_cycle(client, tmp_path):
-    with mayfly.Sandbox.create(TEMPLATE, name="py-life", client=client) as sb:
+    with mayfly.Sandbox.create(TEMPLATE, name="py-life", client=client, acts_for="tests") as sb:
         assert sb.token and sb.state == "running"
         r = sb.exec("cat /task/motd; mayfly-identity name")
         assert (r.exit_code, r.stdout, r.ok) == (0, "from-the-template\npy-life\n", True)
+        # Its credential is in the guest, and the manager says whose it is.
+        card = json.loads(sb.files.read_text("/run/mayfly/sandbox.json"))
+        verdict = client.verify_credential(card["credential"])
+        assert (verdict["valid"], verdict["sandbox"], verdict["acts_for"]) == (True, "py-life", "tests")
 
         # Status, stderr, env, cwd, stdin, argv.
         r = sb.exec("echo oops >&2; exit 7")

@@ -275,6 +275,7 @@ pub fn fork(
     let idle = request
         .idle_timeout_s
         .or_else(|| source.spec().idle_timeout_s);
+    let acts_for = source.spec().acts_for;
     // 3. The clones, a few at a time.
     let mut made: Vec<Result<Value, (String, ServeError)>> = Vec::with_capacity(names.len());
     for chunk in names.chunks(PARALLEL) {
@@ -285,6 +286,7 @@ pub fn fork(
                     let spec = Spec {
                         snapshot: Some(base.clone()),
                         idle_timeout_s: idle,
+                        acts_for: acts_for.clone(),
                         ..Spec::default()
                     };
                     scope.spawn(move || {

@@ -27,6 +27,7 @@
 //! (see [`sandbox`]): `kill -9` of the manager loses nothing, and a new one adopts the VMMs
 //! that still run. Stopping the manager (SIGTERM, SIGINT) leaves the sandboxes as they are.
 
+mod credential;
 mod fork;
 mod metrics;
 mod sandbox;
@@ -64,6 +65,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("PUT", "/sandboxes/{name}/token"),
     ("DELETE", "/sandboxes/{name}/token"),
     ("POST", "/sandboxes/{name}/fork"),
+    ("POST", "/credentials/verify"),
 ];
 
 /// Connections served at once; more get 503 at once.
@@ -364,6 +366,28 @@ fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<()
             return Err((405, "GET /openapi.json".into()));
         }
         reply_document(stream, "application/json", OPENAPI);
+        return Ok(());
+    }
+    if path == "/credentials/verify" {
+        check_token(manager, request, None, true)?;
+        if method != "POST" {
+            return Err((405, "POST /credentials/verify".into()));
+        }
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Verify {
+            credential: String,
+        }
+        let body: Verify = serde_json::from_slice(&request.body).map_err(|e| {
+            (
+                400,
+                format!(
+                    "bad body ({e}): send {{\"credential\": \"mfc_...\"}} (the guest's {})",
+                    credential::GUEST_PATH
+                ),
+            )
+        })?;
+        reply(stream, 200, &manager.verify_credential(&body.credential));
         return Ok(());
     }
     if path == "/sandboxes" {

@@ -44,6 +44,10 @@ const MAX_REQUESTS_PER_SANDBOX: usize = 64;
 
 /// The longest idle timeout: a year.
 const MAX_IDLE_TIMEOUT_S: u64 = 365 * 86_400;
+/// How long a booting sandbox's credential waits for its guest agent.
+const CREDENTIAL_BOOT_WAIT: Duration = Duration::from_secs(300);
+/// The longest `acts_for` label.
+const MAX_ACTS_FOR: usize = 256;
 /// How often templates are looked at for collection (at most; sooner with a shorter TTL).
 const TEMPLATE_CHECK_EVERY: Duration = Duration::from_secs(60);
 
@@ -93,11 +97,23 @@ pub struct Spec {
     /// snapshot, built once per set of inputs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template: Option<super::template::Template>,
+    /// Whom it acts for (the platform's own label, e.g. a user id): in its credential (see
+    /// [`super::credential`]); a fork's clones keep their source's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acts_for: Option<String>,
 }
 
 impl Spec {
     /// Check what can be checked before anything is made.
     pub fn check(&self) -> Result<(), String> {
+        if let Some(who) = &self.acts_for {
+            if who.is_empty() || who.len() > MAX_ACTS_FOR || who.chars().any(char::is_control) {
+                return Err(format!(
+                    "\"acts_for\" must be 1 to {MAX_ACTS_FOR} bytes of printable text (a label \
+                     of the platform's own, such as a user id)"
+                ));
+            }
+        }
         if let Some(template) = &self.template {
             if self.snapshot.is_some()
                 || self.kernel.is_some()
@@ -656,6 +672,17 @@ fn log_tail(path: &Path) -> String {
     }
 }
 
+/// One life-cycle event: a JSON line in the event log, and on stderr.
+fn write_event(events: &Mutex<std::fs::File>, event: &str, sandbox: &str, detail: Value) {
+    let mut line = json!({ "ts_ms": now_ms(), "event": event, "sandbox": sandbox });
+    if let (Some(line), Value::Object(detail)) = (line.as_object_mut(), detail) {
+        line.extend(detail);
+    }
+    let text = format!("{line}\n");
+    let _ = lock(events).write_all(text.as_bytes());
+    eprint!("mayfly serve: {text}");
+}
+
 /// The manager: every sandbox, its counters and its event log.
 pub struct Manager {
     dir: PathBuf,
@@ -684,7 +711,9 @@ pub struct Manager {
     /// its lock also makes each check-and-reserve one step.
     mem_starting: Mutex<u64>,
     pub metrics: Metrics,
-    events: Mutex<std::fs::File>,
+    /// Signs the credentials sandboxes' guests hold.
+    credentials: super::credential::Keys,
+    events: Arc<Mutex<std::fs::File>>,
     started: Instant,
 }
 
@@ -735,7 +764,8 @@ impl Manager {
             templates_checked: Mutex::new(None),
             mem_starting: Mutex::new(0),
             metrics: Metrics::default(),
-            events: Mutex::new(events),
+            credentials: super::credential::Keys::open(dir)?,
+            events: Arc::new(Mutex::new(events)),
             started: Instant::now(),
         })
     }
@@ -1005,13 +1035,7 @@ impl Manager {
 
     /// One JSON line per life-cycle event, in `events.jsonl` and on stderr.
     pub fn event(&self, event: &str, sandbox: &str, detail: Value) {
-        let mut line = json!({ "ts_ms": now_ms(), "event": event, "sandbox": sandbox });
-        if let (Some(line), Value::Object(detail)) = (line.as_object_mut(), detail) {
-            line.extend(detail);
-        }
-        let text = format!("{line}\n");
-        let _ = lock(&self.events).write_all(text.as_bytes());
-        eprint!("mayfly serve: {text}");
+        write_event(&self.events, event, sandbox, detail);
     }
 
     pub fn get(&self, name: &str) -> Option<Arc<Sandbox>> {
@@ -1313,8 +1337,106 @@ impl Manager {
             name,
             json!({ "ms": took.as_secs_f64() * 1e3, "pid": inner.record.pid }),
         );
+        let record = inner.record.clone();
         drop(inner);
+        self.give_credential(&sandbox, &record);
         Ok((sandbox.describe(self), token))
+    }
+
+    /// The credential of the sandbox `record` describes (see [`super::credential`]).
+    fn credential_for(&self, record: &Record) -> (super::credential::Claims, String) {
+        let claims = super::credential::Claims {
+            sandbox: record.name.clone(),
+            acts_for: record.spec.acts_for.clone(),
+            created_ms: record.created_ms,
+        };
+        let credential = self.credentials.mint(&claims);
+        (claims, credential)
+    }
+
+    /// Put its credential in a new sandbox's guest, through its agent. A restored guest (a
+    /// template's, a snapshot's, a fork's clone) has its agent up at once, and gets it before
+    /// its create answers; a booting one gets it from a thread once its agent answers. Never
+    /// fails the create (a guest of the user's own may have no agent): a failure is an event.
+    /// The probe guest has no agent.
+    fn give_credential(&self, sandbox: &Arc<Sandbox>, record: &Record) {
+        let spec = &record.spec;
+        if spec.probe || spec.template.as_ref().is_some_and(|t| t.probe) {
+            return;
+        }
+        let (claims, credential) = self.credential_for(record);
+        let mut file = serde_json::to_value(&claims).unwrap_or_default();
+        file["credential"] = Value::String(credential);
+        let sock = sandbox.socket();
+        let path = format!(
+            "/vm/files?path={}&mode=0400&mkdirs=1",
+            super::credential::GUEST_PATH.replace('/', "%2F")
+        );
+        let put = move |wait: Duration| -> Result<(), String> {
+            let deadline = Instant::now() + wait;
+            loop {
+                let last = match crate::api::request_with_timeout(
+                    &sock,
+                    "PUT",
+                    &path,
+                    Some(&file),
+                    Duration::from_secs(40),
+                ) {
+                    Ok((200, _)) => return Ok(()),
+                    Ok((status, body)) => format!("{status} {body}"),
+                    Err(e) => e.to_string(),
+                };
+                if Instant::now() >= deadline {
+                    return Err(last);
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        };
+        let events = Arc::clone(&self.events);
+        let name = sandbox.name.clone();
+        let report = move |result: Result<(), String>| match result {
+            Ok(()) => write_event(&events, "credential_given", &name, json!({})),
+            Err(e) => write_event(&events, "credential_failed", &name, json!({ "error": e })),
+        };
+        if spec.snapshot.is_some() {
+            report(put(Duration::from_secs(10)));
+            return;
+        }
+        let spawned = std::thread::Builder::new()
+            .name("serve-credential".into())
+            .spawn(move || report(put(CREDENTIAL_BOOT_WAIT)));
+        if let Err(e) = spawned {
+            self.event(
+                "credential_failed",
+                &sandbox.name,
+                json!({ "error": format!("cannot start its thread: {e}") }),
+            );
+        }
+    }
+
+    /// Whether `credential` is one this manager made for a sandbox that still exists.
+    pub fn verify_credential(&self, credential: &str) -> Value {
+        let claims = match self.credentials.check(credential) {
+            Ok(claims) => claims,
+            Err(why) => return json!({ "valid": false, "error": why }),
+        };
+        let current = self.get(&claims.sandbox).map(|s| lock(&s.view).created_ms);
+        match current {
+            Some(created) if created == claims.created_ms => json!({
+                "valid": true,
+                "sandbox": claims.sandbox,
+                "acts_for": claims.acts_for,
+                "created_ms": claims.created_ms,
+            }),
+            Some(_) => json!({
+                "valid": false,
+                "error": format!("sandbox {} was deleted and made again since: this credential was its predecessor's", claims.sandbox),
+            }),
+            None => json!({
+                "valid": false,
+                "error": format!("sandbox {} no longer exists", claims.sandbox),
+            }),
+        }
     }
 
     /// Start a sandbox's VMM (a boot, or a restore of its own snapshot when `wake`) and wait

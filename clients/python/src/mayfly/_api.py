@@ -314,6 +314,12 @@ def agent(name: str, timeout: float) -> Call:
     return Call("GET", sandbox_path(name, "/vm/agent"), timeout=timeout)
 
 
+def verify_credential(credential: str) -> Call:
+    return Call(
+        "POST", "/credentials/verify", _body({"credential": credential}), admin=True
+    )
+
+
 def metrics() -> Call:
     return Call("GET", "/metrics", admin=True, parse=lambda s, b: b.decode("utf-8", "replace"))
 

@@ -126,6 +126,12 @@ class Client:
         """Every sandbox the manager knows, described (needs the admin token)."""
         return self.do(_api.list_sandboxes())  # type: ignore[no-any-return]
 
+    def verify_credential(self, credential: str) -> Dict[str, Any]:
+        """Which sandbox a credential (from a guest's ``/run/mayfly/sandbox.json``) belongs to
+        and whom it acts for: ``{"valid": True, "sandbox": ..., "acts_for": ...}``, or
+        ``{"valid": False, "error": ...}`` (needs the admin token)."""
+        return self.do(_api.verify_credential(credential))  # type: ignore[no-any-return]
+
     def metrics(self) -> str:
         """The manager's Prometheus text."""
         return self.do(_api.metrics())  # type: ignore[no-any-return]

@@ -104,6 +104,9 @@ class AsyncClient:
     async def sandboxes(self) -> List[Dict[str, Any]]:
         return await self.do(_api.list_sandboxes())  # type: ignore[no-any-return]
 
+    async def verify_credential(self, credential: str) -> Dict[str, Any]:
+        return await self.do(_api.verify_credential(credential))  # type: ignore[no-any-return]
+
     async def metrics(self) -> str:
         return await self.do(_api.metrics())  # type: ignore[no-any-return]
 
