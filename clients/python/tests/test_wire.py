@@ -218,3 +218,45 @@ def test_asyncio_reads_the_same_answers(fake):
     assert fake.requests[1][1]["authorization"] == "Bearer t1"
     assert fake.requests[3][1]["authorization"] == "Bearer admin"
     assert fake.requests[4][1]["authorization"] == "Bearer t2"
+
+
+def test_a_compressed_file_object_is_sent_as_its_contents(fake, tmp_path):
+    import gzip
+    data = os.urandom(50_000) * 4
+    with gzip.open(tmp_path / "f.gz", "wb") as f:
+        f.write(data)
+    fake.answer(200, json.dumps({"bytes": len(data)}).encode())
+    with gzip.open(tmp_path / "f.gz", "rb") as f:
+        mayfly.Sandbox("box", client=client(fake)).files.write("/f", f)
+    assert fake.requests[0][2] == data
+
+
+def test_a_refusal_before_the_body_is_read_still_carries_the_message(tmp_path):
+    path = str(tmp_path / "r.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def refuse():
+        conn, _ = server.accept()
+        conn.recv(1024)
+        body = b'{"error": "the token is not this sandbox\'s"}'
+        conn.sendall(b"HTTP/1.1 403 X\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        conn.shutdown(socket.SHUT_RDWR)
+        conn.close()
+
+    t = threading.Thread(target=refuse, daemon=True)
+    t.start()
+    with pytest.raises(mayfly.Unauthorized, match="not this sandbox"):
+        mayfly.Sandbox("box", client=mayfly.Client(sock=path, token="t")).files.write("/f", b"x" * (8 << 20))
+    t.join()
+    server.close()
+
+
+def test_a_revoked_token_is_not_used_again(fake):
+    fake.answer(200, b'{"name": "box", "token": null}')
+    fake.answer(200, b'{"name": "box", "state": "running"}')
+    sb = mayfly.Sandbox("box", token="own", client=client(fake))
+    sb.revoke_token()
+    sb.info()
+    assert fake.requests[1][1]["authorization"] == "Bearer admin-token"

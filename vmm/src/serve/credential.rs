@@ -49,8 +49,17 @@ impl Keys {
     /// The key in `dir/credential.key`, made if missing.
     pub fn open(dir: &Path) -> Result<Keys, ServeError> {
         let path = dir.join("credential.key");
+        // Made only when there is none: any other failure to read it is an error, as a new
+        // key would silently make every credential given out invalid.
         let key = match std::fs::read_to_string(&path) {
             Ok(key) if !key.trim().is_empty() => key.trim().to_owned(),
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(ServeError::Io {
+                    what: "read",
+                    path: path.display().to_string(),
+                    source: e,
+                })
+            }
             Ok(_) | Err(_) => {
                 let key = new_token("mfk_")?;
                 write_atomically(&path, format!("{key}\n").as_bytes())?;

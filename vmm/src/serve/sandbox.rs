@@ -44,6 +44,9 @@ const MAX_REQUESTS_PER_SANDBOX: usize = 64;
 
 /// The longest idle timeout: a year.
 const MAX_IDLE_TIMEOUT_S: u64 = 365 * 86_400;
+/// How long a create of a restored sandbox waits to give its credential (its agent answers
+/// within milliseconds of the restore; a guest that stalls it costs the create this much).
+const CREDENTIAL_RESTORE_WAIT: Duration = Duration::from_secs(5);
 /// How long a booting sandbox's credential waits for its guest agent.
 const CREDENTIAL_BOOT_WAIT: Duration = Duration::from_secs(300);
 /// The longest `acts_for` label.
@@ -805,7 +808,8 @@ impl Manager {
         let mut starting = lock(&self.mem_starting);
         let mut in_use = self.memory_in_use().saturating_add(*starting);
         while self.make_room && in_use.saturating_add(bytes) > budget {
-            if !self.suspend_longest_idle(name, bytes) {
+            let shortfall = in_use.saturating_add(bytes) - budget;
+            if !self.suspend_longest_idle(name, bytes, shortfall) {
                 break;
             }
             in_use = self.memory_in_use().saturating_add(*starting);
@@ -834,7 +838,7 @@ impl Manager {
     /// to make room for `for_name`: whether one went to sleep. Called with the budget's lock
     /// held, so a sandbox busy with a wake, suspend or delete (whose lock is taken) is passed
     /// over rather than waited for: that one may itself be waiting for the budget.
-    fn suspend_longest_idle(&self, for_name: &str, bytes: u64) -> bool {
+    fn suspend_longest_idle(&self, for_name: &str, bytes: u64, shortfall: u64) -> bool {
         let mut candidates: Vec<(u64, Arc<Sandbox>)> = lock(&self.sandboxes)
             .values()
             .filter(|s| s.name != for_name && s.active.load(Ordering::SeqCst) == 0)
@@ -844,6 +848,14 @@ impl Manager {
             })
             .map(|s| (s.last_used.load(Ordering::SeqCst), Arc::clone(s)))
             .collect();
+        // Nothing goes to sleep unless all of them together would make room.
+        let freeable = candidates
+            .iter()
+            .map(|(_, s)| lock(&s.view).guest_bytes.unwrap_or(0))
+            .fold(0u64, u64::saturating_add);
+        if freeable < shortfall {
+            return false;
+        }
         candidates.sort_by_key(|(last_used, _)| *last_used);
         for (last_used, sandbox) in candidates {
             let mut inner = match sandbox.inner.try_lock() {
@@ -851,7 +863,9 @@ impl Manager {
                 Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
                 Err(std::sync::TryLockError::WouldBlock) => continue,
             };
-            if inner.record.state != State::Running {
+            // A request that came meanwhile (it counts itself before it takes the lock) keeps
+            // its sandbox awake.
+            if inner.record.state != State::Running || sandbox.active.load(Ordering::SeqCst) != 0 {
                 continue;
             }
             self.event(
@@ -877,7 +891,9 @@ impl Manager {
     }
 
     /// Whether `sandbox` may write a snapshot of `guest_bytes` of memory within the disk
-    /// budget: its snapshot replaces the one it has, and takes at most its memory and a MiB.
+    /// budget: a snapshot takes at most its memory and a MiB. (Suspends checked at the same
+    /// moment are not counted against each other: the budget may be passed by what they
+    /// write together.)
     fn check_disk_for_suspend(
         &self,
         sandbox: &Sandbox,
@@ -886,8 +902,9 @@ impl Manager {
         let Some(budget) = self.disk_budget else {
             return Ok(());
         };
-        let old = disk_bytes(&sandbox.snapshot_dir());
-        let needs = guest_bytes.saturating_add(1 << 20).saturating_sub(old);
+        // The whole of it: the new snapshot is written beside the old one before the old
+        // goes, and the old one's files may be linked by clones and stay.
+        let needs = guest_bytes.saturating_add(1 << 20);
         let in_use = self.disk_in_use();
         if in_use.saturating_add(needs) > budget {
             self.metrics.over_budget.fetch_add(1, Ordering::Relaxed);
@@ -1372,17 +1389,23 @@ impl Manager {
             "/vm/files?path={}&mode=0400&mkdirs=1",
             super::credential::GUEST_PATH.replace('/', "%2F")
         );
+        // Tried until `wait` is over (each attempt only as long as is left), again only when
+        // the agent is not up yet (503, 504, or no answer): any other answer is final.
         let put = move |wait: Duration| -> Result<(), String> {
             let deadline = Instant::now() + wait;
             loop {
+                let left = deadline.saturating_duration_since(Instant::now());
                 let last = match crate::api::request_with_timeout(
                     &sock,
                     "PUT",
                     &path,
                     Some(&file),
-                    Duration::from_secs(40),
+                    left.max(Duration::from_millis(100)),
                 ) {
                     Ok((200, _)) => return Ok(()),
+                    Ok((status, body)) if status != 503 && status != 504 => {
+                        return Err(format!("{status} {body}"))
+                    }
                     Ok((status, body)) => format!("{status} {body}"),
                     Err(e) => e.to_string(),
                 };
@@ -1399,7 +1422,7 @@ impl Manager {
             Err(e) => write_event(&events, "credential_failed", &name, json!({ "error": e })),
         };
         if spec.snapshot.is_some() {
-            report(put(Duration::from_secs(10)));
+            report(put(CREDENTIAL_RESTORE_WAIT));
             return;
         }
         let spawned = std::thread::Builder::new()
@@ -1420,9 +1443,16 @@ impl Manager {
             Ok(claims) => claims,
             Err(why) => return json!({ "valid": false, "error": why }),
         };
-        let current = self.get(&claims.sandbox).map(|s| lock(&s.view).created_ms);
+        let current = self.get(&claims.sandbox).map(|s| {
+            let view = lock(&s.view);
+            (view.created_ms, view.state)
+        });
         match current {
-            Some(created) if created == claims.created_ms => json!({
+            Some((created, State::Deleting)) if created == claims.created_ms => json!({
+                "valid": false,
+                "error": format!("sandbox {} is being deleted", claims.sandbox),
+            }),
+            Some((created, _)) if created == claims.created_ms => json!({
                 "valid": true,
                 "sandbox": claims.sandbox,
                 "acts_for": claims.acts_for,
@@ -1905,7 +1935,18 @@ impl Manager {
         let Some(after) = self.expire_after_ms else {
             return;
         };
-        let since = |r: &Record| r.suspended_ms.unwrap_or(0).max(r.last_used_ms);
+        // Its last use: the record's, or a request since (a fork of it asleep, say), which
+        // only the in-memory counter saw.
+        let touched_ms = now_ms().saturating_sub(
+            self.uptime_ms()
+                .saturating_sub(sandbox.last_used.load(Ordering::SeqCst)),
+        );
+        let since = |r: &Record| {
+            r.suspended_ms
+                .unwrap_or(0)
+                .max(r.last_used_ms)
+                .max(touched_ms)
+        };
         if now_ms().saturating_sub(since(view)) < after || sandbox.active.load(Ordering::SeqCst) > 0
         {
             return;
@@ -1918,6 +1959,7 @@ impl Manager {
         };
         if inner.record.state != State::Suspended
             || now_ms().saturating_sub(since(&inner.record)) < after
+            || sandbox.active.load(Ordering::SeqCst) != 0
         {
             return;
         }

@@ -8,8 +8,10 @@ The wire format is ``mayfly serve``'s (its OpenAPI document is ``GET /openapi.js
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
+import stat
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from typing import (
     Sequence,
     Tuple,
     Union,
+    cast,
 )
 from urllib.parse import quote
 
@@ -253,6 +256,12 @@ def _whole_seconds(value: float, what: str) -> int:
     return int(round(value))
 
 
+def agentless(described: Mapping[str, Any]) -> bool:
+    """Whether a sandbox's guest has no agent to wait for (the probe benchmark's)."""
+    spec = described.get("spec") or {}
+    return bool(spec.get("probe") or (spec.get("template") or {}).get("probe"))
+
+
 def list_sandboxes() -> Call:
     return Call("GET", "/sandboxes", admin=True, parse=lambda s, b: _json(s, b)["sandboxes"])
 
@@ -468,14 +477,24 @@ def write_file(
         body = bytes(data)
         length = len(body)
     else:
-        # A file object: sent as it is read, so a file of any size never sits in memory.
-        try:
-            length = os.fstat(data.fileno()).st_size - data.tell()
-        except (AttributeError, OSError, ValueError):
-            whole = data.read()
-            body, length = whole, len(whole)
+        # A plain binary file on disk is sent as it is read (exactly its size from here), so a
+        # file of any size never sits in memory; anything else (a compressed or text stream,
+        # a pipe, a /proc file) is read whole first, as its size on disk is not its length.
+        length = -1
+        if isinstance(data, (io.BufferedReader, io.FileIO)):
+            try:
+                st = os.fstat(data.fileno())
+                if stat.S_ISREG(st.st_mode):
+                    length = st.st_size - data.tell()
+            except (OSError, ValueError):
+                pass
+        if length >= 0:
+            body = cast(IO[bytes], _Exactly(data, length))
         else:
-            body = data
+            whole = data.read()
+            if isinstance(whole, str):
+                raise TypeError("files.write takes bytes, str or a binary file, not a text file")
+            body, length = bytes(whole), len(whole)
     return Call(
         "PUT",
         sandbox_path(name, "/vm/files" + query),
@@ -484,6 +503,28 @@ def write_file(
         parse=lambda s, b: int(_json(s, b)["bytes"]),
         timeout=None,
     )
+
+
+class _Exactly(io.RawIOBase):
+    """`length` bytes of a file, no more, and an error if it ends sooner (it shrank while
+    being sent): the manager is told that length, so it must be what it gets."""
+
+    def __init__(self, inner: IO[bytes], length: int) -> None:
+        self._inner = inner
+        self._left = length
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        if self._left == 0:
+            return b""
+        want = self._left if size is None or size < 0 else min(size, self._left)
+        data = self._inner.read(want)
+        if not data:
+            raise MayflyError(f"the file being written ended {self._left} bytes early: it shrank")
+        self._left -= len(data)
+        return data
 
 
 def read_file(name: str, path: str, sink: Optional[IO[bytes]]) -> Call:
@@ -549,8 +590,12 @@ def resolve(
         raise MayflyError(
             "no manager socket: pass sock= (the --sock of `mayfly serve`) or set MAYFLY_SOCK"
         )
-    token = token or os.environ.get("MAYFLY_TOKEN")
-    state_dir = state_dir or os.environ.get("MAYFLY_STATE_DIR")
+    # What the caller passed wins over the environment: token=, then state_dir=, then
+    # MAYFLY_TOKEN, then MAYFLY_STATE_DIR.
+    if token is None and state_dir is None:
+        token = os.environ.get("MAYFLY_TOKEN")
+        if token is None:
+            state_dir = os.environ.get("MAYFLY_STATE_DIR")
     if token is None and state_dir:
         path = os.path.join(state_dir, "admin.token")
         try:

@@ -67,8 +67,13 @@ class Client:
                     conn.putheader("Authorization", f"Bearer {use}")
                 conn.putheader("Content-Length", str(_api.body_length(call)))
                 conn.endheaders()
-                if call.body is not None:
-                    conn.send(call.body)
+                try:
+                    if call.body is not None:
+                        conn.send(call.body)
+                except (BrokenPipeError, ConnectionResetError):
+                    # The manager refused before reading all of it (a bad token, an unknown
+                    # sandbox, too large a body...): its answer may be waiting.
+                    pass
                 response = conn.getresponse()
             except FileNotFoundError:
                 raise ManagerUnreachable(
@@ -247,12 +252,19 @@ class Sandbox:
         create request as they are (``mem_mib=``, ``vcpus=``, ``rootfs=``...). With ``wait``
         it returns once its guest agent answers, so the first exec does not wait for a boot."""
         client = client or default_client()
-        answer = client.do(
-            _api.create(name or _api.new_name(), template, idle_timeout, network, snapshot, spec)
-        )
+        name = name or _api.new_name()
+        try:
+            answer = client.do(_api.create(name, template, idle_timeout, network, snapshot, spec))
+        except (TimedOut, ManagerUnreachable) as e:
+            # The manager may still make it: it is not left behind unnamed.
+            try:
+                client.do(_api.delete(name))
+            except MayflyError:
+                pass
+            raise type(e)(f"creating sandbox {name}: {e} (deleted if it was made)", e.status) from None
         sandbox = cls(answer["name"], answer.get("token"), client)
         sandbox.created = answer
-        if wait and not answer.get("spec", {}).get("probe"):
+        if wait and not _api.agentless(answer):
             try:
                 sandbox.wait_ready(ready_timeout)
             except BaseException:
@@ -357,7 +369,9 @@ class Sandbox:
         return self.token
 
     def revoke_token(self) -> None:
+        """Revoke its token; this object then speaks with the client's token."""
         self._do(_api.revoke_token(self.name))
+        self.token = None
 
     def delete(self) -> None:
         """End its VMM and remove everything of it."""

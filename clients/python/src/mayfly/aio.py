@@ -1,7 +1,8 @@
 """The asyncio client, for fan-out: :class:`AsyncClient` and :class:`AsyncSandbox` mirror
 :class:`mayfly.Client` and :class:`mayfly.Sandbox` method for method, with ``await``.
-Each request is its own connection to the manager's socket, so a thousand execs at once are
-a thousand connections and no threads::
+Each request is its own connection to the manager's socket, and no threads: fan out as
+wide as the manager takes (it serves 256 connections at once and answers more with 503,
+``mayfly.Busy``; bound your fan-out, e.g. with an ``asyncio.Semaphore``)::
 
     async with await AsyncSandbox.create() as sb:
         clones = await sb.fork(10)
@@ -62,16 +63,20 @@ class AsyncClient:
             ) from None
         try:
             writer.write(_api.request_head(call, token, _api.body_length(call)))
-            if isinstance(call.body, bytes):
-                writer.write(call.body)
-            elif call.body is not None:
-                while True:
-                    piece = call.body.read(1 << 16)
-                    if not piece:
-                        break
-                    writer.write(piece)
-                    await writer.drain()
-            await writer.drain()
+            try:
+                if isinstance(call.body, bytes):
+                    writer.write(call.body)
+                elif call.body is not None:
+                    while True:
+                        piece = call.body.read(1 << 16)
+                        if not piece:
+                            break
+                        writer.write(piece)
+                        await writer.drain()
+                await writer.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                # Refused before the body was read: the manager's answer may be waiting.
+                pass
             status, headers = await _read_head(reader)
             body = _Body(reader, headers)
             if not 200 <= status < 300:
@@ -253,12 +258,20 @@ class AsyncSandbox:
         **spec: Any,
     ) -> "AsyncSandbox":
         client = client or AsyncClient()
-        answer = await client.do(
-            _api.create(name or _api.new_name(), template, idle_timeout, network, snapshot, spec)
-        )
+        name = name or _api.new_name()
+        try:
+            answer = await client.do(
+                _api.create(name, template, idle_timeout, network, snapshot, spec)
+            )
+        except (TimedOut, ManagerUnreachable) as e:
+            try:
+                await client.do(_api.delete(name))
+            except MayflyError:
+                pass
+            raise type(e)(f"creating sandbox {name}: {e} (deleted if it was made)", e.status) from None
         sandbox = cls(answer["name"], answer.get("token"), client)
         sandbox.created = answer
-        if wait and not answer.get("spec", {}).get("probe"):
+        if wait and not _api.agentless(answer):
             try:
                 await sandbox.wait_ready(ready_timeout)
             except BaseException:
@@ -340,6 +353,7 @@ class AsyncSandbox:
 
     async def revoke_token(self) -> None:
         await self._do(_api.revoke_token(self.name))
+        self.token = None
 
     async def delete(self) -> None:
         await self._do(_api.delete(self.name))
