@@ -1989,7 +1989,13 @@ impl Manager {
             }
             *checked = Some(Instant::now());
         }
-        for key in self.templates.collect_unused(ttl) {
+        let all: Vec<Arc<Sandbox>> = lock(&self.sandboxes).values().cloned().collect();
+        let named: Vec<PathBuf> = all
+            .iter()
+            .filter_map(|s| lock(&s.view).spec.snapshot.clone())
+            .collect();
+        let in_use = |dir: &Path| named.iter().any(|snapshot| snapshot.starts_with(dir));
+        for key in self.templates.collect_unused(ttl, &in_use) {
             self.event("template_collected", "", json!({ "template": key }));
         }
     }

@@ -190,9 +190,11 @@ impl Templates {
 
     /// Remove every template no create has used for `ttl` (its `template.json` untouched
     /// that long); the keys removed. A template a create is using or building right now is
-    /// left (its gate is taken). Sandboxes made from a collected template keep working: each
-    /// links the snapshot's files into its own directory at its create.
-    pub fn collect_unused(&self, ttl: Duration) -> Vec<String> {
+    /// left (its gate is taken), and so is one `in_use` says a sandbox still names (one being
+    /// made from it, not yet linked; one whose files could not be linked). Sandboxes made from
+    /// a collected template keep working: each links the snapshot's files into its own
+    /// directory at its create.
+    pub fn collect_unused(&self, ttl: Duration, in_use: &dyn Fn(&Path) -> bool) -> Vec<String> {
         let unused = |dir: &Path| {
             std::fs::metadata(dir.join("template.json"))
                 .and_then(|m| m.modified())
@@ -214,7 +216,7 @@ impl Templates {
             let Ok(_building) = gate.try_lock() else {
                 continue;
             };
-            if unused(&dir) && std::fs::remove_dir_all(&dir).is_ok() {
+            if unused(&dir) && !in_use(&dir) && std::fs::remove_dir_all(&dir).is_ok() {
                 collected.push(key);
             }
         }
