@@ -1044,3 +1044,47 @@ fn past_the_memory_budget_the_longest_idle_sandbox_sleeps_to_make_room() {
         );
     }
 }
+
+/// A VM its user paused (`PUT .../vm/pause`) is paused again when its sandbox wakes from
+/// disk, and after a fork of it (whose snapshot puts it to sleep and wakes it); the fork's
+/// clones run.
+#[test]
+fn a_vm_its_user_paused_stays_paused_across_sleep_and_fork() {
+    let dir = TestDir::new("serve-user-paused");
+    let m = Manager::start(&dir);
+    m.create_probe("p", None);
+    m.wait_probe("p", "waiting", 1);
+    let vm_state = |name: &str| {
+        let (status, body) = m.admin("GET", &format!("/sandboxes/{name}/vm"), None);
+        assert_eq!(status, 200, "{body}");
+        body["state"].as_str().unwrap().to_string()
+    };
+    assert_eq!(m.admin("PUT", "/sandboxes/p/vm/pause", None).0, 204);
+    assert_eq!(vm_state("p"), "paused");
+    let (status, body) = m.admin("PUT", "/sandboxes/p/pause", None);
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = m.admin("PUT", "/sandboxes/p/resume", None);
+    assert_eq!((status, &body["state"]), (200, &json!("running")), "{body}");
+    assert_eq!(
+        vm_state("p"),
+        "paused",
+        "the wake set the user's paused VM running"
+    );
+    let (status, body) = m.admin("POST", "/sandboxes/p/fork", Some(json!({ "count": 1 })));
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(
+        vm_state("p"),
+        "paused",
+        "the fork set the user's paused VM running"
+    );
+    assert_eq!(vm_state("p-1"), "running");
+    m.wait_probe("p-1", "verified", 1);
+    assert_eq!(m.admin("PUT", "/sandboxes/p/vm/resume", None).0, 204);
+    assert_eq!(vm_state("p"), "running");
+    for name in ["p", "p-1"] {
+        assert_eq!(
+            m.admin("DELETE", &format!("/sandboxes/{name}"), None).0,
+            200
+        );
+    }
+}

@@ -289,6 +289,10 @@ pub struct Record {
     /// record from before budgets has none, and counts 0 until its next start).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest_bytes: Option<u64>,
+    /// Its VM was paused by its user (`PUT .../vm/pause`) when it last went to sleep: the
+    /// next wake pauses it again, as a wake (a restore) would otherwise set it running.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub vm_paused: bool,
 }
 
 /// A sandbox's running VMM.
@@ -1000,6 +1004,7 @@ impl Manager {
             jailed: uid.is_some(),
             uid,
             guest_bytes: None,
+            vm_paused: false,
         };
         Sandbox::new(dir.to_path_buf(), record, self)
     }
@@ -1304,6 +1309,7 @@ impl Manager {
                 jailed: self.jail,
                 uid,
                 guest_bytes: None,
+                vm_paused: false,
             };
             let sandbox = Arc::new(Sandbox::new(dir.clone(), record, self));
             all.insert(name.to_owned(), Arc::clone(&sandbox));
@@ -1716,6 +1722,25 @@ impl Manager {
                 inner.record.died = None;
                 inner.record.state = State::Running;
                 inner.record.wakes += 1;
+                // Paused by its user before it slept: paused again (its snapshot, taken paused,
+                // restores running). If that fails it runs, and says so.
+                if inner.record.vm_paused {
+                    match crate::api::request_with_timeout(
+                        &sandbox.socket(),
+                        "PUT",
+                        "/vm/pause",
+                        None,
+                        VMM_REQUEST_TIMEOUT,
+                    ) {
+                        Ok((status, _)) if status < 300 || status == 409 => {}
+                        other => self.event(
+                            "pause_not_kept",
+                            &sandbox.name,
+                            json!({ "error": format!("{other:?}") }),
+                        ),
+                    }
+                    inner.record.vm_paused = false;
+                }
                 let asleep = inner
                     .record
                     .suspended_ms
@@ -1793,6 +1818,7 @@ impl Manager {
         let snapshot = sandbox.snapshot_dir();
         // Paused first (a snapshot is of a paused VM); a VM paused through its own socket
         // already is, and says so with 409.
+        let mut user_paused = false;
         let snapped = match crate::api::request_with_timeout(
             &sock,
             "PUT",
@@ -1800,7 +1826,11 @@ impl Manager {
             None,
             VMM_REQUEST_TIMEOUT,
         ) {
-            Ok((status, _)) if status < 300 || status == 409 => Ok(()),
+            Ok((status, _)) if status < 300 => Ok(()),
+            Ok((409, _)) => {
+                user_paused = true;
+                Ok(())
+            }
             Ok((status, body)) => Err(format!("PUT /vm/pause: {status} {body}")),
             Err(e) => Err(format!("PUT /vm/pause: {e}")),
         }
@@ -1826,6 +1856,7 @@ impl Manager {
         inner.record.state = State::Suspended;
         inner.record.pid = None;
         inner.record.pid_start = None;
+        inner.record.vm_paused = user_paused;
         inner.record.suspends += 1;
         inner.record.suspended_ms = Some(now_ms());
         sandbox.save(inner)?;
