@@ -1397,9 +1397,15 @@ impl Manager {
         );
         // Tried until `wait` is over (each attempt only as long as is left), again only when
         // the agent is not up yet (503, 504, or no answer): any other answer is final.
+        // Its own sandbox, not its name: a sandbox deleted meanwhile (and perhaps made again
+        // under the name, at the same socket path) gets nothing more from this one.
+        let own = Arc::clone(sandbox);
         let put = move |wait: Duration| -> Result<(), String> {
             let deadline = Instant::now() + wait;
             loop {
+                if lock(&own.view).state == State::Deleting {
+                    return Err("the sandbox was deleted".into());
+                }
                 let left = deadline.saturating_duration_since(Instant::now());
                 let last = match crate::api::request_with_timeout(
                     &sock,

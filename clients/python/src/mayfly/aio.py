@@ -1,8 +1,8 @@
 """The asyncio client, for fan-out: :class:`AsyncClient` and :class:`AsyncSandbox` mirror
 :class:`mayfly.Client` and :class:`mayfly.Sandbox` method for method, with ``await``.
-Each request is its own connection to the manager's socket, and no threads: fan out as
-wide as the manager takes (it serves 256 connections at once and answers more with 503,
-``mayfly.Busy``; bound your fan-out, e.g. with an ``asyncio.Semaphore``)::
+Each request is its own connection to the manager's socket, and no threads; a client sends
+at most ``max_requests`` (64) at once and queues the rest, under the manager's own limit of
+256 connections (past which it answers 503, ``mayfly.Busy``)::
 
     async with await AsyncSandbox.create() as sb:
         clones = await sb.fork(10)
@@ -34,9 +34,16 @@ class AsyncClient:
         token: Optional[str] = None,
         state_dir: Optional[str] = None,
         timeout: float = _api.DEFAULT_TIMEOUT,
+        max_requests: int = 64,
     ) -> None:
+        """``max_requests``: at most this many of this client's requests at once (the rest
+        wait their turn), well under the manager's 256 connections."""
         self.sock, self.token = _api.resolve(sock, token, state_dir)
         self.timeout = timeout
+        if max_requests < 1:
+            raise ValueError(f"max_requests must be 1 or more, not {max_requests}")
+        self.max_requests = max_requests
+        self._slots: Dict[int, asyncio.Semaphore] = {}
 
     def __repr__(self) -> str:
         return f"mayfly.aio.AsyncClient(sock={self.sock!r})"
@@ -44,10 +51,14 @@ class AsyncClient:
     async def do(self, call: Call, token: Optional[str] = None) -> Any:
         """Send one request and parse its answer (or raise the manager's error)."""
         timeout = self.timeout if call.timeout == _api.DEFAULT_TIMEOUT else call.timeout
-        try:
-            return await asyncio.wait_for(self._exchange(call, token or self.token), timeout)
-        except asyncio.TimeoutError:
-            raise TimedOut(f"{call.method} {call.path}: no answer in {timeout} s") from None
+        # One semaphore per event loop (a client may outlive an asyncio.run).
+        loop = id(asyncio.get_running_loop())
+        slots = self._slots.setdefault(loop, asyncio.Semaphore(self.max_requests))
+        async with slots:
+            try:
+                return await asyncio.wait_for(self._exchange(call, token or self.token), timeout)
+            except asyncio.TimeoutError:
+                raise TimedOut(f"{call.method} {call.path}: no answer in {timeout} s") from None
 
     async def _exchange(self, call: Call, token: Optional[str]) -> Any:
         try:
