@@ -809,41 +809,55 @@ impl Manager {
                 budget >> 20
             )));
         }
-        let mut starting = lock(&self.mem_starting);
-        let mut in_use = self.memory_in_use().saturating_add(*starting);
-        while self.make_room && in_use.saturating_add(bytes) > budget {
-            let shortfall = in_use.saturating_add(bytes) - budget;
-            if !self.suspend_longest_idle(name, bytes, shortfall) {
-                break;
+        // With suspend-idle, a sandbox is picked under the budget's lock and put to sleep
+        // after it is released (a suspend takes a while, and other starts need the lock), and
+        // the check starts over; each sandbox is tried once.
+        let mut tried: Vec<String> = Vec::new();
+        loop {
+            let mut starting = lock(&self.mem_starting);
+            let in_use = self.memory_in_use().saturating_add(*starting);
+            if in_use.saturating_add(bytes) <= budget {
+                *starting += bytes;
+                return Ok(Some(MemoryReservation {
+                    manager: self,
+                    bytes,
+                }));
             }
-            in_use = self.memory_in_use().saturating_add(*starting);
+            let shortfall = in_use.saturating_add(bytes) - budget;
+            let victim = if self.make_room {
+                self.longest_idle(name, shortfall, &tried)
+            } else {
+                None
+            };
+            let Some(victim) = victim else {
+                self.metrics.over_budget.fetch_add(1, Ordering::Relaxed);
+                return Err(ServeError::OverBudget(format!(
+                    "memory budget: {} needs {} MiB, and sandboxes running hold {} MiB of the \
+                     {} MiB budget (mayfly serve --mem-budget-mib): pause or delete one (PUT \
+                     /sandboxes/NAME/pause sleeps it to disk), or start the manager with a \
+                     larger budget",
+                    name,
+                    bytes >> 20,
+                    in_use >> 20,
+                    budget >> 20
+                )));
+            };
+            drop(starting);
+            tried.push(victim.name.clone());
+            self.suspend_for_room(&victim, name, bytes);
         }
-        if in_use.saturating_add(bytes) > budget {
-            self.metrics.over_budget.fetch_add(1, Ordering::Relaxed);
-            return Err(ServeError::OverBudget(format!(
-                "memory budget: {} needs {} MiB, and sandboxes running hold {} MiB of the {} MiB \
-                 budget (mayfly serve --mem-budget-mib): pause or delete one (PUT \
-                 /sandboxes/NAME/pause sleeps it to disk), or start the manager with a larger \
-                 budget",
-                name,
-                bytes >> 20,
-                in_use >> 20,
-                budget >> 20
-            )));
-        }
-        *starting += bytes;
-        Ok(Some(MemoryReservation {
-            manager: self,
-            bytes,
-        }))
     }
 
-    /// Put the running sandbox idle longest (no request in flight, not `for_name`) to sleep
-    /// to make room for `for_name`: whether one went to sleep. Called with the budget's lock
-    /// held, so a sandbox busy with a wake, suspend or delete (whose lock is taken) is passed
-    /// over rather than waited for: that one may itself be waiting for the budget.
-    fn suspend_longest_idle(&self, for_name: &str, bytes: u64, shortfall: u64) -> bool {
-        let mut candidates: Vec<(u64, Arc<Sandbox>)> = lock(&self.sandboxes)
+    /// The running sandbox idle longest that could go to sleep to make room for `for_name`
+    /// (no request in flight, not tried yet), if all such sandboxes together free at least
+    /// `shortfall`: nothing goes to sleep that would not help.
+    fn longest_idle(
+        &self,
+        for_name: &str,
+        shortfall: u64,
+        tried: &[String],
+    ) -> Option<Arc<Sandbox>> {
+        let candidates: Vec<(u64, Arc<Sandbox>)> = lock(&self.sandboxes)
             .values()
             .filter(|s| s.name != for_name && s.active.load(Ordering::SeqCst) == 0)
             .filter(|s| {
@@ -852,41 +866,45 @@ impl Manager {
             })
             .map(|s| (s.last_used.load(Ordering::SeqCst), Arc::clone(s)))
             .collect();
-        // Nothing goes to sleep unless all of them together would make room.
         let freeable = candidates
             .iter()
             .map(|(_, s)| lock(&s.view).guest_bytes.unwrap_or(0))
             .fold(0u64, u64::saturating_add);
         if freeable < shortfall {
-            return false;
+            return None;
         }
-        candidates.sort_by_key(|(last_used, _)| *last_used);
-        for (last_used, sandbox) in candidates {
-            let mut inner = match sandbox.inner.try_lock() {
-                Ok(inner) => inner,
-                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => continue,
-            };
-            // A request that came meanwhile (it counts itself before it takes the lock) keeps
-            // its sandbox awake.
-            if inner.record.state != State::Running || sandbox.active.load(Ordering::SeqCst) != 0 {
-                continue;
-            }
-            self.event(
-                "making_room",
-                &sandbox.name,
-                json!({
-                    "for": for_name,
-                    "needs_bytes": bytes,
-                    "idle_ms": self.uptime_ms().saturating_sub(last_used),
-                }),
-            );
-            if self.suspend_locked(&sandbox, &mut inner).is_ok() {
-                self.metrics.made_room.fetch_add(1, Ordering::Relaxed);
-                return true;
-            }
+        candidates
+            .into_iter()
+            .filter(|(_, s)| !tried.contains(&s.name))
+            .min_by_key(|(last_used, _)| *last_used)
+            .map(|(_, s)| s)
+    }
+
+    /// Put `sandbox` to sleep for `for_name`, if it is still running and idle. A sandbox busy
+    /// with a wake, suspend or delete (its lock taken) is passed over rather than waited for:
+    /// it may itself be waiting for the budget.
+    fn suspend_for_room(&self, sandbox: &Sandbox, for_name: &str, bytes: u64) {
+        let mut inner = match sandbox.inner.try_lock() {
+            Ok(inner) => inner,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        // A request that came meanwhile (it counts itself before it takes the lock) keeps its
+        // sandbox awake.
+        if inner.record.state != State::Running || sandbox.active.load(Ordering::SeqCst) != 0 {
+            return;
         }
-        false
+        let idle_ms = self
+            .uptime_ms()
+            .saturating_sub(sandbox.last_used.load(Ordering::SeqCst));
+        self.event(
+            "making_room",
+            &sandbox.name,
+            json!({ "for": for_name, "needs_bytes": bytes, "idle_ms": idle_ms }),
+        );
+        if self.suspend_locked(sandbox, &mut inner).is_ok() {
+            self.metrics.made_room.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// What the sandboxes keep on disk, bytes (each file once, however many links it has).
