@@ -275,7 +275,10 @@ pub fn fork(
     let idle = request
         .idle_timeout_s
         .or_else(|| source.spec().idle_timeout_s);
-    let acts_for = source.spec().acts_for;
+    let (acts_for, no_agent) = {
+        let spec = source.spec();
+        (spec.acts_for.clone(), spec.agentless())
+    };
     // 3. The clones, a few at a time.
     let mut made: Vec<Result<Value, (String, ServeError)>> = Vec::with_capacity(names.len());
     for chunk in names.chunks(PARALLEL) {
@@ -287,6 +290,7 @@ pub fn fork(
                         snapshot: Some(base.clone()),
                         idle_timeout_s: idle,
                         acts_for: acts_for.clone(),
+                        no_agent,
                         ..Spec::default()
                     };
                     scope.spawn(move || {

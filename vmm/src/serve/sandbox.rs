@@ -44,9 +44,12 @@ const MAX_REQUESTS_PER_SANDBOX: usize = 64;
 
 /// The longest idle timeout: a year.
 const MAX_IDLE_TIMEOUT_S: u64 = 365 * 86_400;
-/// How long a create of a restored sandbox waits to give its credential (its agent answers
-/// within milliseconds of the restore; a guest that stalls it costs the create this much).
-const CREDENTIAL_RESTORE_WAIT: Duration = Duration::from_secs(5);
+/// How long a create of a restored sandbox waits to give its credential, in one attempt:
+/// its VMM's socket waits for the refresh after the restore, which finds the agent within
+/// milliseconds, or finds none (a guest of the user's own, the probe) and says so at once
+/// (measured: probe clones through the manager took 5 s more each while a 503 was retried).
+/// A guest that stalls its agent costs the create this much.
+const CREDENTIAL_RESTORE_WAIT: Duration = Duration::from_secs(35);
 /// How long a booting sandbox's credential waits for its guest agent.
 const CREDENTIAL_BOOT_WAIT: Duration = Duration::from_secs(300);
 /// The longest `acts_for` label.
@@ -104,6 +107,18 @@ pub struct Spec {
     /// [`super::credential`]); a fork's clones keep their source's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub acts_for: Option<String>,
+    /// Its guest runs no mayfly-agent (a guest of the user's own): no credential is given
+    /// (a restored one would otherwise hold its create until its VMM gives up on the agent,
+    /// ~10 s). The probe guest is taken as such; a fork's clones keep their source's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_agent: bool,
+}
+
+impl Spec {
+    /// Whether its guest has no agent to give a credential to.
+    pub fn agentless(&self) -> bool {
+        self.no_agent || self.probe || self.template.as_ref().is_some_and(|t| t.probe)
+    }
 }
 
 impl Spec {
@@ -1402,7 +1417,7 @@ impl Manager {
     /// The probe guest has no agent.
     fn give_credential(&self, sandbox: &Arc<Sandbox>, record: &Record) {
         let spec = &record.spec;
-        if spec.probe || spec.template.as_ref().is_some_and(|t| t.probe) {
+        if spec.agentless() {
             return;
         }
         let (claims, credential) = self.credential_for(record);
@@ -1418,6 +1433,8 @@ impl Manager {
         // Its own sandbox, not its name: a sandbox deleted meanwhile (and perhaps made again
         // under the name, at the same socket path) gets nothing more from this one.
         let own = Arc::clone(sandbox);
+        // `wait` zero: one attempt, of up to CREDENTIAL_RESTORE_WAIT (a restored VM's own
+        // socket waits for the refresh that finds its agent; no agent then means none).
         let put = move |wait: Duration| -> Result<(), String> {
             let deadline = Instant::now() + wait;
             loop {
@@ -1425,12 +1442,17 @@ impl Manager {
                     return Err("the sandbox was deleted".into());
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
+                let attempt = if wait.is_zero() {
+                    CREDENTIAL_RESTORE_WAIT
+                } else {
+                    left.max(Duration::from_millis(100))
+                };
                 let last = match crate::api::request_with_timeout(
                     &sock,
                     "PUT",
                     &path,
                     Some(&file),
-                    left.max(Duration::from_millis(100)),
+                    attempt,
                 ) {
                     Ok((200, _)) => return Ok(()),
                     Ok((status, body)) if status != 503 && status != 504 => {
@@ -1452,7 +1474,7 @@ impl Manager {
             Err(e) => write_event(&events, "credential_failed", &name, json!({ "error": e })),
         };
         if spec.snapshot.is_some() {
-            report(put(CREDENTIAL_RESTORE_WAIT));
+            report(put(Duration::ZERO));
             return;
         }
         let spawned = std::thread::Builder::new()
