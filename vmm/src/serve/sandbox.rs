@@ -44,12 +44,11 @@ const MAX_REQUESTS_PER_SANDBOX: usize = 64;
 
 /// The longest idle timeout: a year.
 const MAX_IDLE_TIMEOUT_S: u64 = 365 * 86_400;
-/// How long a create of a restored sandbox waits to give its credential, in one attempt:
-/// its VMM's socket waits for the refresh after the restore, which finds the agent within
-/// milliseconds, or finds none (a guest of the user's own, the probe) and says so at once
-/// (measured: probe clones through the manager took 5 s more each while a 503 was retried).
-/// A guest that stalls its agent costs the create this much.
-const CREDENTIAL_RESTORE_WAIT: Duration = Duration::from_secs(35);
+/// How long a create of a restored sandbox waits to give its credential: its agent answers
+/// within milliseconds of the restore, and a guest that stalls it costs the create this much.
+/// Agentless guests (the probe, `no_agent`) are not waited for: each probe clone of a fork
+/// took 5 s more while they were.
+const CREDENTIAL_RESTORE_WAIT: Duration = Duration::from_secs(5);
 /// How long a booting sandbox's credential waits for its guest agent.
 const CREDENTIAL_BOOT_WAIT: Duration = Duration::from_secs(300);
 /// The longest `acts_for` label.
@@ -108,8 +107,8 @@ pub struct Spec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub acts_for: Option<String>,
     /// Its guest runs no mayfly-agent (a guest of the user's own): no credential is given
-    /// (a restored one would otherwise hold its create until its VMM gives up on the agent,
-    /// ~10 s). The probe guest is taken as such; a fork's clones keep their source's.
+    /// (a restored one would otherwise hold its create [`CREDENTIAL_RESTORE_WAIT`] for one).
+    /// The probe guest is taken as such; a fork's clones keep their source's.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_agent: bool,
 }
@@ -1433,8 +1432,6 @@ impl Manager {
         // Its own sandbox, not its name: a sandbox deleted meanwhile (and perhaps made again
         // under the name, at the same socket path) gets nothing more from this one.
         let own = Arc::clone(sandbox);
-        // `wait` zero: one attempt, of up to CREDENTIAL_RESTORE_WAIT (a restored VM's own
-        // socket waits for the refresh that finds its agent; no agent then means none).
         let put = move |wait: Duration| -> Result<(), String> {
             let deadline = Instant::now() + wait;
             loop {
@@ -1442,11 +1439,7 @@ impl Manager {
                     return Err("the sandbox was deleted".into());
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
-                let attempt = if wait.is_zero() {
-                    CREDENTIAL_RESTORE_WAIT
-                } else {
-                    left.max(Duration::from_millis(100))
-                };
+                let attempt = left.max(Duration::from_millis(100));
                 let last = match crate::api::request_with_timeout(
                     &sock,
                     "PUT",
@@ -1474,7 +1467,7 @@ impl Manager {
             Err(e) => write_event(&events, "credential_failed", &name, json!({ "error": e })),
         };
         if spec.snapshot.is_some() {
-            report(put(Duration::ZERO));
+            report(put(CREDENTIAL_RESTORE_WAIT));
             return;
         }
         let spawned = std::thread::Builder::new()
