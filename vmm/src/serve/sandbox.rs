@@ -1121,7 +1121,7 @@ impl Manager {
                 .map(|(s, n)| (s.name(), n))
                 .collect(),
             memory_bytes: memory,
-            disk_bytes: disk_bytes(&self.dir.join("sandboxes")),
+            disk_bytes: self.disk_in_use(),
         }
     }
 
