@@ -13,7 +13,7 @@ use crate::state::HostFingerprint;
 pub const MAGIC: [u8; 8] = *b"MAYFLYSN";
 /// Bumped whenever the encoding of the header or the state changes (the golden-file test in
 /// `state.rs` fails when it changes without a bump).
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 /// Decoding never allocates beyond this, whatever a damaged length field says: no more than
 /// the largest state file holds.
 #[allow(clippy::cast_possible_truncation)] // 64 MiB: a u64 constant that fits any usize here.

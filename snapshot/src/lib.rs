@@ -8,6 +8,9 @@
 //! - `memory`: guest RAM, byte for byte at the offsets the memory layout gives, written
 //!   sparse (pages of zeros are holes), then a one-page trailer naming the snapshot
 //!   ([`trailer`]).
+//! - A **diff snapshot** also has `memory-layers/`: the memory files it stacks on (hard links,
+//!   oldest first, the first a full one), and its own `memory` holds only the pages written
+//!   since the snapshot it was restored from ([`VmState::memory_layers`]).
 //!
 //! Devices define their saved state next to themselves (`mayfly_devices`); this crate ties the
 //! pieces together and reads and writes the state file.
@@ -32,7 +35,8 @@ pub use file::{
 };
 pub use open::{open_regular, SnapshotDir, MAX_STATE_BYTES};
 pub use state::{
-    HostFingerprint, IdentityState, KvmVmState, MemoryRange, VcpuState, VmState, MAX_WORKING_SET,
+    layer_name, Extent, HostFingerprint, IdentityState, KvmVmState, MemoryLayer, MemoryRange,
+    VcpuState, VmState, MAX_MEMORY_EXTENTS, MAX_MEMORY_LAYERS, MAX_WORKING_SET, MEMORY_LAYERS_DIR,
 };
 pub use trailer::{check_trailer, memory_file_len, write_trailer, TRAILER_BYTES};
 

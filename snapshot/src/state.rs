@@ -37,6 +37,124 @@ pub struct VmState {
     /// Guest memory offsets a restored guest touched first, in order (see lazy restore's
     /// prefetch). Empty when unknown.
     pub working_set: Vec<u64>,
+    /// Empty for a full snapshot (its `memory` file holds all of guest RAM). For a diff
+    /// snapshot, the memory files under its own, oldest first: the first is a full snapshot's
+    /// memory, every later one (and the snapshot's own `memory`) holds only its `extents`.
+    pub memory_layers: Vec<MemoryLayer>,
+    /// For a diff snapshot: the ranges of guest RAM its own `memory` file holds (a hole in one
+    /// is a page of zeros); every other page is the newest layer's that holds it.
+    pub memory_extents: Option<Vec<Extent>>,
+}
+
+/// A range of guest RAM, by memory-file offset and length, both whole pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Extent {
+    pub offset: u64,
+    pub len: u64,
+}
+
+impl Extent {
+    pub fn end(&self) -> u64 {
+        self.offset.saturating_add(self.len)
+    }
+}
+
+/// One memory file of a diff snapshot's chain.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryLayer {
+    /// `memory-layers/<file>` inside the snapshot (a hard link), or a full path where the
+    /// writer could not link it (a file of another owner: the sandbox manager's template).
+    pub path: std::path::PathBuf,
+    /// The ID its trailer holds: the snapshot it was written for.
+    pub snapshot_id: [u8; 16],
+    /// `None` for the full layer at the bottom; the ranges it holds for every other.
+    pub extents: Option<Vec<Extent>>,
+}
+
+/// Memory layers a diff snapshot may stack at most (writers compact long before).
+pub const MAX_MEMORY_LAYERS: usize = 16;
+/// Extents a diff snapshot's layers may hold together at most: each is a mapping of its own
+/// in a restored VM (the kernel allows 65,530 per process by default).
+pub const MAX_MEMORY_EXTENTS: usize = 16_384;
+/// Where a diff snapshot keeps its layers' links.
+pub const MEMORY_LAYERS_DIR: &str = "memory-layers";
+
+impl VmState {
+    /// Whether its memory layers make sense for its RAM: a full layer at the bottom and only
+    /// there, at most [`MAX_MEMORY_LAYERS`], extents of whole pages, in order, apart, inside
+    /// RAM, [`MAX_MEMORY_EXTENTS`] at most, and relative paths only inside
+    /// [`MEMORY_LAYERS_DIR`]. The reason when not.
+    pub fn check_memory_layers(&self) -> Result<(), String> {
+        let Some(own) = &self.memory_extents else {
+            if self.memory_layers.is_empty() {
+                return Ok(());
+            }
+            return Err("memory layers under a full memory file".into());
+        };
+        let Some((bottom, above)) = self.memory_layers.split_first() else {
+            return Err("a diff snapshot with no layer under it".into());
+        };
+        if self.memory_layers.len() > MAX_MEMORY_LAYERS {
+            return Err(format!("{} memory layers", self.memory_layers.len()));
+        }
+        if bottom.extents.is_some() {
+            return Err("a diff layer at the bottom of the memory chain".into());
+        }
+        let mut total = 0usize;
+        let mut check = |extents: &[Extent]| -> Result<(), String> {
+            total += extents.len();
+            if total > MAX_MEMORY_EXTENTS {
+                return Err(format!("more than {MAX_MEMORY_EXTENTS} memory extents"));
+            }
+            let mut end = 0u64;
+            for e in extents {
+                let page = 4096;
+                if e.len == 0
+                    || !e.offset.is_multiple_of(page)
+                    || !e.len.is_multiple_of(page)
+                    || e.offset < end
+                    || e.end() > self.mem_bytes
+                    || e.offset.checked_add(e.len).is_none()
+                {
+                    return Err(format!("a memory extent {e:?} out of order or place"));
+                }
+                end = e.end();
+            }
+            Ok(())
+        };
+        check(own)?;
+        for layer in above {
+            check(
+                layer
+                    .extents
+                    .as_deref()
+                    .ok_or("a second full memory layer")?,
+            )?;
+        }
+        for layer in &self.memory_layers {
+            if layer.path.is_relative() && layer_name(&layer.path).is_none() {
+                return Err(format!(
+                    "the memory layer {:?} outside {MEMORY_LAYERS_DIR}/",
+                    layer.path
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The file name of a relative layer path `memory-layers/<name>`; `None` for anything else.
+pub fn layer_name(path: &std::path::Path) -> Option<&std::ffi::OsStr> {
+    use std::path::Component;
+    let mut parts = path.components();
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(Component::Normal(dir)), Some(Component::Normal(name)), None)
+            if dir == MEMORY_LAYERS_DIR =>
+        {
+            Some(name)
+        }
+        _ => None,
+    }
 }
 
 /// A VM's identity as the snapshot keeps it (see mayfly's `identity` module).
@@ -631,6 +749,25 @@ mod golden {
             next_clone: 2,
             probe: true,
             working_set: vec![0x1000, 0x7000, 0x0800_2000, 0x1_0000_3000],
+            memory_layers: vec![
+                MemoryLayer {
+                    path: "/var/lib/mayfly/t/memory".into(),
+                    snapshot_id: pattern(0x61),
+                    extents: None,
+                },
+                MemoryLayer {
+                    path: "memory-layers/0a0b".into(),
+                    snapshot_id: pattern(0x62),
+                    extents: Some(vec![Extent {
+                        offset: 0x3000,
+                        len: 0x2000,
+                    }]),
+                },
+            ],
+            memory_extents: Some(vec![Extent {
+                offset: 0x1_0000,
+                len: 0x1000,
+            }]),
         }
     }
 

@@ -180,16 +180,18 @@ impl Controller {
                 ),
                 None,
             ),
-            Action::Snapshot { path } if !jail_can_write(&path) => {
+            Action::Snapshot { path, .. } if !jail_can_write(&path) => {
                 (Reply::error(400, JAILED_SNAPSHOT), None)
             }
-            Action::Snapshot { path } => match crate::snapshot::create(&self.machine, &path) {
-                Ok(report) => (
-                    Reply::ok(serde_json::to_value(report).unwrap_or_default()),
-                    None,
-                ),
-                Err(e) => (Reply::error(e.http_status(), e.to_string()), None),
-            },
+            Action::Snapshot { path, diff } => {
+                match crate::snapshot::create(&self.machine, &path, diff) {
+                    Ok(report) => (
+                        Reply::ok(serde_json::to_value(report).unwrap_or_default()),
+                        None,
+                    ),
+                    Err(e) => (Reply::error(e.http_status(), e.to_string()), None),
+                }
+            }
             Action::Fork(_) if crate::jail::current().is_some() => {
                 (Reply::error(409, JAILED_FORK), None)
             }

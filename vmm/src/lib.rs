@@ -31,6 +31,7 @@ pub mod console;
 pub mod controller;
 pub mod device_manager;
 pub mod diagnostics;
+pub mod diff;
 pub mod disks;
 pub mod event;
 pub mod fork;

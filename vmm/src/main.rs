@@ -152,6 +152,11 @@ struct SnapshotArgs {
     /// Leave the VM paused afterwards.
     #[arg(long)]
     keep_paused: bool,
+    /// Write only the pages written since the VM was restored, over the snapshot it was
+    /// restored from (hard-linked into the new one's memory-layers/): for a VM restored
+    /// copy-on-write from a snapshot directory.
+    #[arg(long)]
+    diff: bool,
 }
 
 #[derive(Args)]
@@ -935,7 +940,7 @@ fn snapshot(args: SnapshotArgs) -> ExitCode {
         sock,
         "PUT",
         "/vm/snapshot",
-        Some(serde_json::json!({ "path": dir })),
+        Some(serde_json::json!({ "path": dir, "diff": args.diff })),
     );
     if was_running && !args.keep_paused {
         let resumed = client(sock, "PUT", "/vm/resume", None);

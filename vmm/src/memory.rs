@@ -20,6 +20,8 @@ use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap};
 
 use crate::arch::layout::{ram_ranges, RamRange};
+use crate::diff::ChainLayer;
+use mayfly_snapshot::Extent;
 
 /// The guest's physical memory as the VMM sees it.
 pub type GuestMemory = GuestMemoryMmap<()>;
@@ -128,6 +130,9 @@ pub struct GuestRam {
     /// memory file.
     pub backing: File,
     pub kind: RamKind,
+    /// For RAM mapped copy-on-write from a snapshot directory: the memory files it maps,
+    /// bottom first (see [`crate::diff`]); `backing` is the bottom's. Empty otherwise.
+    pub chain: Vec<ChainLayer>,
 }
 
 /// One region as mapped in this process.
@@ -170,6 +175,74 @@ impl GuestRam {
     /// A snapshot's memory, mapped copy-on-write.
     pub fn copy_on_write(file: File, ranges: &[RamRange]) -> Result<Self, MemoryError> {
         Self::map(file, ranges, RamKind::CopyOnWrite)
+    }
+
+    /// A snapshot's chain of memory files (see [`crate::diff`]), mapped copy-on-write: the
+    /// bottom over all of RAM, each later layer's extents over it.
+    pub fn copy_on_write_chain(
+        chain: Vec<ChainLayer>,
+        ranges: &[RamRange],
+    ) -> Result<Self, MemoryError> {
+        let bottom = chain
+            .first()
+            .ok_or_else(|| MemoryError::Layout("an empty memory chain".into()))?;
+        let mut ram = Self::map(
+            bottom.file.try_clone().map_err(MemoryError::Memfd)?,
+            ranges,
+            RamKind::CopyOnWrite,
+        )?;
+        for layer in chain.iter().skip(1) {
+            for extent in layer.extents.as_deref().unwrap_or_default() {
+                for region in ram.host_regions() {
+                    let start = extent.offset.max(region.file_offset);
+                    let end = extent.end().min(region.file_offset + region.len as u64);
+                    if start >= end {
+                        continue;
+                    }
+                    let within = usize::try_from(start - region.file_offset)
+                        .expect("inside a mapped region");
+                    let len = usize::try_from(end - start).expect("inside a mapped region");
+                    // SAFETY: replaces part of this VM's own, not yet used, mapping of guest
+                    // RAM (inside the region: checked above) with the same range of a file
+                    // of the snapshot's chain, private: nothing the guest does reaches it.
+                    let addr = unsafe {
+                        libc::mmap(
+                            region.host_addr.add(within).cast(),
+                            len,
+                            libc::PROT_READ | libc::PROT_WRITE,
+                            libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                            layer.file.as_raw_fd(),
+                            libc::off_t::try_from(start).expect("a file offset the file has"),
+                        )
+                    };
+                    if addr == libc::MAP_FAILED {
+                        return Err(MemoryError::Copy(std::io::Error::last_os_error()));
+                    }
+                }
+            }
+        }
+        ram.chain = chain;
+        Ok(ram)
+    }
+
+    /// A snapshot's chain of memory files copied into a fresh memfd: the bottom's data, then
+    /// each later layer's extents over it (holes in them punched).
+    pub fn eager_chain(chain: &[ChainLayer], ranges: &[RamRange]) -> Result<Self, MemoryError> {
+        let bottom = chain
+            .first()
+            .ok_or_else(|| MemoryError::Layout("an empty memory chain".into()))?;
+        let ram = Self::eager(&bottom.file, ranges)?;
+        for layer in chain.iter().skip(1) {
+            for extent in layer.extents.as_deref().unwrap_or_default() {
+                punch_hole(&ram.backing, extent.offset, extent.len).map_err(MemoryError::Copy)?;
+                for (start, len) in data_extents(&layer.file, extent.offset, extent.len)
+                    .map_err(MemoryError::Copy)?
+                {
+                    copy_range(&layer.file, &ram.backing, start, len).map_err(MemoryError::Copy)?;
+                }
+            }
+        }
+        Ok(ram)
     }
 
     /// Anonymous memory to be filled from `file` by a userfaultfd handler.
@@ -239,6 +312,7 @@ impl GuestRam {
             ranges: ranges.to_vec(),
             backing: file,
             kind,
+            chain: Vec::new(),
         })
     }
 
@@ -277,6 +351,8 @@ impl GuestRam {
             unsafe { libc::madvise(addr, region.len, libc::MADV_HUGEPAGE) };
         }
         self.kind = RamKind::CopyOnWrite;
+        // It maps the base now, not the snapshot's chain.
+        self.chain.clear();
         // No shared mapping of the base is left anywhere: seal it, so that not even this VMM
         // can change what the clones map.
         mayfly_snapshot::write_trailer(&self.backing, self.size(), snapshot_id)
@@ -467,7 +543,7 @@ fn copy_range(from: &File, to: &File, offset: u64, len: u64) -> std::io::Result<
     Ok(())
 }
 
-const PAGE: usize = 4096;
+pub const PAGE: usize = 4096;
 
 /// What [`GuestRam::write_sparse`] wrote.
 pub struct SparseWritten {
@@ -477,31 +553,134 @@ pub struct SparseWritten {
     pub touched: Vec<u64>,
 }
 
+/// Make `offset..offset + len` of `file` a hole (zeros).
+fn punch_hole(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
+    let off = |v: u64| {
+        libc::off_t::try_from(v).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+    };
+    // SAFETY: fallocate on a descriptor we own; the result is checked.
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            off(offset)?,
+            off(len)?,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 fn is_zero(bytes: &[u8]) -> bool {
     // SAFETY: reinterpreting initialised bytes as u128 words is always valid.
     let (head, words, tail) = unsafe { bytes.align_to::<u128>() };
     head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
 }
 
-/// Which pages of `addr..addr + len` this process has mapped (/proc/self/pagemap bit 63).
-fn present_pages(addr: *const u8, len: usize) -> std::io::Result<Vec<bool>> {
+/// pagemap: the page is present.
+const PM_PRESENT: u64 = 1 << 63;
+/// pagemap: the page is swapped out.
+const PM_SWAPPED: u64 = 1 << 62;
+/// pagemap: the page is a file page (or shared anonymous memory).
+const PM_FILE: u64 = 1 << 61;
+
+/// The /proc/self/pagemap entry of each page of `addr..addr + len`.
+fn page_flags(addr: *const u8, len: usize) -> std::io::Result<Vec<u64>> {
     let pagemap = File::open("/proc/self/pagemap")?;
     let pages = len / PAGE;
-    let mut present = Vec::with_capacity(pages);
+    let mut flags = Vec::with_capacity(pages);
     let mut buf = vec![0u8; 8 * 4096];
     let first = addr as u64 / PAGE as u64;
     let mut done = 0usize;
     while done < pages {
         let n = (pages - done).min(buf.len() / 8);
         pagemap.read_exact_at(&mut buf[..n * 8], (first + done as u64) * 8)?;
-        present.extend(
+        flags.extend(
             buf[..n * 8]
                 .chunks_exact(8)
-                .map(|e| u64::from_le_bytes(e.try_into().expect("8 bytes")) >> 63 == 1),
+                .map(|e| u64::from_le_bytes(e.try_into().expect("8 bytes"))),
         );
         done += n;
     }
-    Ok(present)
+    Ok(flags)
+}
+
+/// Which pages of `addr..addr + len` this process has mapped.
+fn present_pages(addr: *const u8, len: usize) -> std::io::Result<Vec<bool>> {
+    Ok(page_flags(addr, len)?
+        .into_iter()
+        .map(|f| f & PM_PRESENT != 0)
+        .collect())
+}
+
+impl GuestRam {
+    /// For copy-on-write RAM: the pages written since it was mapped (by the guest or by this
+    /// VMM), as memory-file extents. A write to a private file mapping makes the page an
+    /// anonymous copy: present and not a file page, or swapped out. The vCPUs must be paused.
+    pub fn written_extents(&self) -> std::io::Result<Vec<Extent>> {
+        let mut extents: Vec<Extent> = Vec::new();
+        for region in self.host_regions() {
+            for (page, flags) in page_flags(region.host_addr, region.len)?
+                .into_iter()
+                .enumerate()
+            {
+                let written =
+                    (flags & PM_PRESENT != 0 && flags & PM_FILE == 0) || flags & PM_SWAPPED != 0;
+                if !written {
+                    continue;
+                }
+                let offset = region.file_offset + (page * PAGE) as u64;
+                match extents.last_mut() {
+                    Some(last) if last.end() == offset => last.len += PAGE as u64,
+                    _ => extents.push(Extent {
+                        offset,
+                        len: PAGE as u64,
+                    }),
+                }
+            }
+        }
+        Ok(extents)
+    }
+
+    /// Write the pages of `extents` (memory-file offsets, sorted) into `out` at their offsets,
+    /// pages of zeros left as holes; `out` is sized for all of RAM. Returns the bytes written.
+    /// The vCPUs must be paused.
+    pub fn write_pages(&self, out: &File, extents: &[Extent]) -> std::io::Result<u64> {
+        out.set_len(self.size())?;
+        let mut written = 0u64;
+        let mut page_buf = vec![0u8; PAGE];
+        for region in self.host_regions() {
+            let region_end = region.file_offset + region.len as u64;
+            let present = present_pages(region.host_addr, region.len)?;
+            for extent in extents {
+                let start = extent.offset.max(region.file_offset);
+                let end = extent.end().min(region_end);
+                let mut offset = start;
+                while offset < end {
+                    let page = usize::try_from((offset - region.file_offset) / PAGE as u64)
+                        .expect("inside a mapped region");
+                    let bytes: &[u8] = if present[page] {
+                        // SAFETY: a mapped page inside the region; the vCPUs are paused.
+                        unsafe {
+                            std::slice::from_raw_parts(region.host_addr.add(page * PAGE), PAGE)
+                        }
+                    } else {
+                        crate::diff::read_chain_page(&self.chain, offset, &mut page_buf)?;
+                        &page_buf
+                    };
+                    if !is_zero(bytes) {
+                        out.write_all_at(bytes, offset)?;
+                        written += PAGE as u64;
+                    }
+                    offset += PAGE as u64;
+                }
+            }
+        }
+        Ok(written)
+    }
 }
 
 impl GuestRam {
@@ -557,6 +736,16 @@ impl GuestRam {
                                 run = Some((page, 1));
                             }
                         }
+                        continue;
+                    }
+                } else if ram.chain.len() > 1 {
+                    // Not mapped here: the page is what the chain's newest layer holding it
+                    // holds.
+                    crate::diff::read_chain_page(&ram.chain, offset, &mut page_buf)?;
+                    if !is_zero(&page_buf) {
+                        flush(&mut run, &mut written)?;
+                        out.write_all_at(&page_buf, offset)?;
+                        written.bytes += PAGE as u64;
                         continue;
                     }
                 } else if in_backing(offset) {
@@ -713,5 +902,138 @@ mod tests {
         let mut byte = [0u8; 1];
         src.read_exact_at(&mut byte, 4096).unwrap();
         assert_eq!(byte, [7]);
+    }
+
+    #[test]
+    fn a_chain_of_memory_files_maps_tracks_writes_and_writes_diffs() {
+        use crate::diff::ChainLayer;
+        let dir = std::env::temp_dir().join(format!("mayfly-chain-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let size = 4u64 << 20;
+        let ranges = ram_ranges(size);
+        let page = |n: u64| n * PAGE as u64;
+        let base_path = dir.join("base");
+        let create = |path: &std::path::Path| {
+            File::options()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(path)
+                .unwrap()
+        };
+        let base = create(&base_path);
+        base.set_len(size).unwrap();
+        base.write_all_at(&[0x11; PAGE], page(1)).unwrap();
+        base.write_all_at(&[0x11; PAGE], page(2)).unwrap();
+        base.write_all_at(&[0x55; PAGE], page(8)).unwrap();
+        let layer = |file: &File, path: &std::path::Path, id: u8, extents: Option<Vec<Extent>>| {
+            ChainLayer {
+                file: file.try_clone().unwrap(),
+                path: path.to_path_buf(),
+                snapshot_id: [id; 16],
+                extents,
+            }
+        };
+        let read = |ram: &GuestRam, n: u64| -> u8 {
+            let region = ram.host_regions()[0];
+            // SAFETY: inside the mapping this test owns.
+            unsafe { *region.host_addr.add(usize::try_from(page(n)).unwrap()) }
+        };
+        let write = |ram: &GuestRam, n: u64, value: u8| {
+            let region = ram.host_regions()[0];
+            // SAFETY: inside the mapping this test owns.
+            unsafe {
+                std::ptr::write_bytes(
+                    region.host_addr.add(usize::try_from(page(n)).unwrap()),
+                    value,
+                    PAGE,
+                )
+            }
+        };
+
+        // Restored from the full file: a read is not a write; a write of zeros is.
+        let ram = GuestRam::copy_on_write_chain(vec![layer(&base, &base_path, 1, None)], &ranges)
+            .unwrap();
+        assert_eq!(read(&ram, 5), 0);
+        assert_eq!(read(&ram, 1), 0x11);
+        write(&ram, 2, 0x22);
+        write(&ram, 7, 0x33);
+        write(&ram, 8, 0);
+        let written = ram.written_extents().unwrap();
+        assert_eq!(
+            written,
+            vec![
+                Extent {
+                    offset: page(2),
+                    len: page(1)
+                },
+                Extent {
+                    offset: page(7),
+                    len: page(2)
+                }
+            ]
+        );
+        let diff_path = dir.join("diff");
+        let diff = create(&diff_path);
+        assert_eq!(ram.write_pages(&diff, &written).unwrap(), page(2));
+        drop(ram);
+
+        // Restored from the diff over the base: each page from the newest layer holding it,
+        // and nothing counts as written yet.
+        let chain = vec![
+            layer(&base, &base_path, 1, None),
+            layer(&diff, &diff_path, 2, Some(written.clone())),
+        ];
+        let ram = GuestRam::copy_on_write_chain(chain, &ranges).unwrap();
+        assert_eq!(
+            [read(&ram, 1), read(&ram, 2), read(&ram, 7), read(&ram, 8)],
+            [0x11, 0x22, 0x33, 0]
+        );
+        assert_eq!(ram.written_extents().unwrap(), vec![]);
+        write(&ram, 1, 0x44);
+        assert_eq!(
+            ram.written_extents().unwrap(),
+            vec![Extent {
+                offset: page(1),
+                len: page(1)
+            }]
+        );
+        // A full snapshot of it reads what it has not mapped from the right layer.
+        let full_path = dir.join("full");
+        let full = create(&full_path);
+        let unmapped = GuestRam::copy_on_write_chain(
+            vec![
+                layer(&base, &base_path, 1, None),
+                layer(&diff, &diff_path, 2, Some(written.clone())),
+            ],
+            &ranges,
+        )
+        .unwrap();
+        unmapped.write_sparse(&full).unwrap();
+        let mut byte = [0u8; 1];
+        for (n, want) in [(1, 0x11), (2, 0x22), (7, 0x33), (8, 0)] {
+            full.read_exact_at(&mut byte, page(n)).unwrap();
+            assert_eq!(byte[0], want, "page {n}");
+        }
+        // An eager restore of the chain: the diff's pages over the base's, zeros included.
+        let eager = GuestRam::eager_chain(
+            &[
+                layer(&base, &base_path, 1, None),
+                layer(&diff, &diff_path, 2, Some(written)),
+            ],
+            &ranges,
+        )
+        .unwrap();
+        assert_eq!(
+            [
+                read(&eager, 1),
+                read(&eager, 2),
+                read(&eager, 7),
+                read(&eager, 8)
+            ],
+            [0x11, 0x22, 0x33, 0]
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -17,7 +17,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc::channel;
 
 use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
@@ -171,6 +171,8 @@ pub enum RestoreError {
     Arch { found: String, host: String },
     #[error("the snapshot was taken on a different host CPU: {0}. Restore it on a host like the one that took it")]
     Fingerprint(String),
+    #[error("the snapshot's memory layers cannot be used: {0}")]
+    MemoryLayers(String),
     #[error("the snapshot's state is inconsistent: {0}")]
     Inconsistent(String),
     #[error(transparent)]
@@ -204,15 +206,24 @@ pub struct LoadedSnapshot {
     pub memory: File,
     /// How errors name the memory file.
     pub memory_path: String,
+    /// For a snapshot directory: the memory files its RAM is made of, bottom first (one, its
+    /// own `memory`, for a full snapshot). `None` for a fork's memory base.
+    pub chain: Option<Vec<crate::diff::ChainLayer>>,
 }
 
 /// Read and check a snapshot without touching KVM.
-pub fn load(source: SnapshotSource) -> Result<LoadedSnapshot, RestoreError> {
+/// Memory layers a diff snapshot names by full path must lie in `layers_within`, when given.
+pub fn load(
+    source: SnapshotSource,
+    layers_within: Option<&Path>,
+) -> Result<LoadedSnapshot, RestoreError> {
+    let mut dir_path = None;
     let (state_file, state_path, memory, memory_path) = match source {
         SnapshotSource::Dir(dir) => {
             let dir = SnapshotDir::open(&dir)?;
             let state = dir.open_file(STATE_FILE)?;
             let memory = dir.open_file(MEMORY_FILE)?;
+            dir_path = Some(dir.path().to_path_buf());
             (
                 state,
                 dir.path().join(STATE_FILE),
@@ -238,11 +249,27 @@ pub fn load(source: SnapshotSource) -> Result<LoadedSnapshot, RestoreError> {
     let host_mib = crate::config::host_mem_mib().unwrap_or(u64::MAX);
     check_state(&state, host_mib)?;
     mayfly_snapshot::check_trailer(&memory, state.mem_bytes, &state.snapshot_id, &memory_path)?;
+    let chain = match &dir_path {
+        Some(dir) => {
+            let top = memory.try_clone().map_err(MemoryError::Memfd)?;
+            Some(
+                crate::diff::open_chain(&state, dir, top, layers_within)
+                    .map_err(RestoreError::MemoryLayers)?,
+            )
+        }
+        None if state.memory_extents.is_some() => {
+            return Err(RestoreError::MemoryLayers(
+                "a fork's memory base is never a diff".into(),
+            ))
+        }
+        None => None,
+    };
     Ok(LoadedSnapshot {
         header,
         state,
         memory,
         memory_path,
+        chain,
     })
 }
 
@@ -314,6 +341,9 @@ pub fn check_state(state: &VmState, host_mib: u64) -> Result<(), RestoreError> {
     }
     identity::check(&state.identity)
         .map_err(|e| RestoreError::Refused(format!("its identity: {e}")))?;
+    state
+        .check_memory_layers()
+        .map_err(RestoreError::Inconsistent)?;
     Ok(())
 }
 
@@ -325,7 +355,11 @@ pub fn restore(config: RestoreConfig) -> Result<Controller, RestoreError> {
     let started = std::time::Instant::now();
     // The socket paths, claimed before anything else.
     let claims = Claims::take(&config.instance)?;
-    let prepared = prepare(config.source, config.memory)?;
+    let prepared = prepare(
+        config.source,
+        config.memory,
+        config.instance.devices.layers_within.as_deref(),
+    )?;
     start(prepared, config.instance, claims, started)
 }
 
@@ -344,8 +378,12 @@ pub struct Prepared {
 
 /// Steps 1 and 2: read and check the snapshot, open KVM and check the snapshot against it,
 /// map guest RAM.
-pub fn prepare(source: SnapshotSource, memory: MemoryMode) -> Result<Prepared, RestoreError> {
-    let snapshot = load(source)?;
+pub fn prepare(
+    source: SnapshotSource,
+    memory: MemoryMode,
+    layers_within: Option<&Path>,
+) -> Result<Prepared, RestoreError> {
+    let snapshot = load(source, layers_within)?;
     trace::event("state_loaded");
     let state = &snapshot.state;
 
@@ -381,10 +419,20 @@ pub fn prepare(source: SnapshotSource, memory: MemoryMode) -> Result<Prepared, R
             file_offset: r.file_offset,
         })
         .collect();
-    let ram = match memory {
-        MemoryMode::Cow => GuestRam::copy_on_write(snapshot.memory, &ranges)?,
-        MemoryMode::Lazy { .. } => GuestRam::lazy(snapshot.memory, &ranges)?,
-        MemoryMode::Eager => GuestRam::eager(&snapshot.memory, &ranges)?,
+    let diff = state.memory_extents.is_some();
+    let ram = match (memory, snapshot.chain) {
+        (MemoryMode::Cow, Some(chain)) => GuestRam::copy_on_write_chain(chain, &ranges)?,
+        (MemoryMode::Cow, None) => GuestRam::copy_on_write(snapshot.memory, &ranges)?,
+        (MemoryMode::Lazy { .. }, _) if diff => {
+            return Err(RestoreError::MemoryLayers(
+                "a diff snapshot is restored with --memory cow or eager; lazy restore reads \
+                 one full memory file (take a full snapshot of it to restore it lazily)"
+                    .into(),
+            ))
+        }
+        (MemoryMode::Lazy { .. }, _) => GuestRam::lazy(snapshot.memory, &ranges)?,
+        (MemoryMode::Eager, Some(chain)) if diff => GuestRam::eager_chain(&chain, &ranges)?,
+        (MemoryMode::Eager, _) => GuestRam::eager(&snapshot.memory, &ranges)?,
     };
     // A memory file that changes under a copy-on-write VM changes the guest's memory: lease
     // or seal it, so that the VM stops first (see GuestRam::protect_backing).

@@ -18,7 +18,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use mayfly_snapshot::{Header, MemoryRange, VmState, MEMORY_FILE, STATE_FILE};
+use mayfly_snapshot::{Header, MemoryRange, VmState, MEMORY_FILE, MEMORY_LAYERS_DIR, STATE_FILE};
 
 use mayfly_devices::persist::VirtioKindState;
 
@@ -56,6 +56,8 @@ pub enum SnapshotCreateError {
     Devices(#[from] crate::device_manager::DeviceError),
     #[error(transparent)]
     Disk(#[from] crate::disks::DiskSetupError),
+    #[error(transparent)]
+    Diff(#[from] crate::diff::DiffError),
 }
 
 impl SnapshotCreateError {
@@ -64,6 +66,7 @@ impl SnapshotCreateError {
     pub fn http_status(&self) -> u16 {
         match self {
             SnapshotCreateError::NotPaused => 409,
+            SnapshotCreateError::Diff(crate::diff::DiffError::NotLayered(_)) => 409,
             SnapshotCreateError::NotASnapshotDir { .. } => 409,
             SnapshotCreateError::NoParent(_) | SnapshotCreateError::BadParent { .. } => 400,
             SnapshotCreateError::Io { source, .. }
@@ -102,13 +105,22 @@ pub struct SnapshotReport {
     /// Bytes of guest RAM written (non-zero pages).
     pub memory_bytes_written: u64,
     pub memory_bytes: u64,
+    /// For a diff snapshot: the memory layers it stacks on, and whether the chain was
+    /// compacted to get there. 0 and false for a full one.
+    pub memory_layers: usize,
+    pub compacted: bool,
     pub state_ms: f64,
     pub memory_ms: f64,
     pub total_ms: f64,
 }
 
-/// Snapshot the (paused) VM into `dest`.
-pub fn create(vm: &Machine, dest: &Path) -> Result<SnapshotReport, SnapshotCreateError> {
+/// Snapshot the (paused) VM into `dest`; with `diff`, only the pages written since it was
+/// restored, over the snapshot it was restored from (see [`crate::diff`]).
+pub fn create(
+    vm: &Machine,
+    dest: &Path,
+    diff: bool,
+) -> Result<SnapshotReport, SnapshotCreateError> {
     let start = Instant::now();
     if !vm.paused() {
         return Err(SnapshotCreateError::NotPaused);
@@ -155,7 +167,7 @@ pub fn create(vm: &Machine, dest: &Path) -> Result<SnapshotReport, SnapshotCreat
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(io_err(&tmp)(err));
     }
-    let result = write_snapshot(vm, &tmp, start).and_then(|report| {
+    let result = write_snapshot(vm, &tmp, start, diff).and_then(|report| {
         install(&tmp, &dest)?;
         Ok(SnapshotReport {
             path: dest.clone(),
@@ -202,7 +214,7 @@ fn remove_dead_leftovers(parent: &Path) {
                 && entries.iter().all(|e| {
                     ((e.file_name() == STATE_FILE || e.file_name() == MEMORY_FILE)
                         && e.file_type().is_ok_and(|t| t.is_file()))
-                        || (e.file_name() == SNAPSHOT_DISKS
+                        || ((e.file_name() == SNAPSHOT_DISKS || e.file_name() == MEMORY_LAYERS_DIR)
                             && e.file_type().is_ok_and(|t| t.is_dir()))
                 })
         });
@@ -236,8 +248,8 @@ fn check_replaceable(dest: &Path) -> Result<(), SnapshotCreateError> {
     };
     for entry in entries {
         let entry = entry.map_err(io_err(dest))?;
-        let disks =
-            entry.file_name() == SNAPSHOT_DISKS && entry.file_type().is_ok_and(|t| t.is_dir());
+        let disks = (entry.file_name() == SNAPSHOT_DISKS || entry.file_name() == MEMORY_LAYERS_DIR)
+            && entry.file_type().is_ok_and(|t| t.is_dir());
         if entry.file_name() != STATE_FILE && entry.file_name() != MEMORY_FILE && !disks {
             return Err(SnapshotCreateError::NotASnapshotDir {
                 path: dest.to_path_buf(),
@@ -285,6 +297,8 @@ pub fn capture_state(vm: &Machine) -> Result<VmState, SnapshotCreateError> {
         next_clone: vm.info.next_clone,
         probe: vm.info.probe,
         working_set: Vec::new(),
+        memory_layers: Vec::new(),
+        memory_extents: None,
     })
 }
 
@@ -309,6 +323,7 @@ fn write_snapshot(
     vm: &Machine,
     dir: &Path,
     start: Instant,
+    diff: bool,
 ) -> Result<SnapshotReport, SnapshotCreateError> {
     // The disks first: each writable one's top layer is frozen (the VM goes on on a new one)
     // and the frozen chain linked into the snapshot, in time independent of its size.
@@ -318,20 +333,38 @@ fn write_snapshot(
     let state_ms = start.elapsed().as_secs_f64() * 1e3;
 
     let memory_path = dir.join(MEMORY_FILE);
-    let memory_file = File::create(&memory_path).map_err(io_err(&memory_path))?;
-    let written = vm
-        .ram
-        .write_sparse(&memory_file)
-        .and_then(|w| {
+    let mut layers = (0, false);
+    let (bytes, touched) = if diff {
+        let written = crate::diff::write_diff(&vm.ram, dir, &mut state)?;
+        layers = (written.layers, written.compacted);
+        (written.bytes, Vec::new())
+    } else {
+        let memory_file = File::create(&memory_path).map_err(io_err(&memory_path))?;
+        let written = vm
+            .ram
+            .write_sparse(&memory_file)
+            .map_err(io_err(&memory_path))?;
+        (written.bytes, written.touched)
+    };
+    File::options()
+        .write(true)
+        .open(&memory_path)
+        .and_then(|memory_file| {
             mayfly_snapshot::write_trailer(&memory_file, vm.ram.size(), &state.snapshot_id)?;
-            memory_file.sync_all().map(|()| w)
+            memory_file.sync_all()
         })
         .map_err(io_err(&memory_path))?;
+    if diff {
+        let layers = dir.join(MEMORY_LAYERS_DIR);
+        File::open(&layers)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err(&layers))?;
+    }
     let memory_ms = start.elapsed().as_secs_f64() * 1e3 - state_ms;
 
     state.working_set = match (&vm.lazy, vm.ram.kind) {
         (Some(lazy), _) => lazy.working_set(),
-        (None, RamKind::CopyOnWrite) => written.touched,
+        (None, RamKind::CopyOnWrite) => touched,
         _ => Vec::new(),
     };
     state.working_set.truncate(mayfly_snapshot::MAX_WORKING_SET);
@@ -343,7 +376,9 @@ fn write_snapshot(
     Ok(SnapshotReport {
         path: dir.to_path_buf(),
         state_bytes,
-        memory_bytes_written: written.bytes,
+        memory_bytes_written: bytes,
+        memory_layers: layers.0,
+        compacted: layers.1,
         memory_bytes: vm.ram.size(),
         state_ms,
         memory_ms,

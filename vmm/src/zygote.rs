@@ -1092,7 +1092,7 @@ pub fn serve(state_fd: RawFd, memory_fd: RawFd, socket_fd: RawFd, clone_main: Cl
     if std::env::var_os("MAYFLY_TRACE").is_some() {
         crate::trace::enable();
     }
-    let prepared = match restore::prepare(source, MemoryMode::Cow) {
+    let prepared = match restore::prepare(source, MemoryMode::Cow, None) {
         Ok(prepared) => prepared,
         Err(err) => return unusable(err.to_string()),
     };

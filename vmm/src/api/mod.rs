@@ -6,7 +6,7 @@
 //! | `GET /vm`           | none                                                  | [`Action::Describe`]  |
 //! | `PUT /vm/pause`     | none                                                  | [`Action::Pause`]     |
 //! | `PUT /vm/resume`    | none                                                  | [`Action::Resume`]    |
-//! | `PUT /vm/snapshot`  | `{"path": "/some/dir"}`                               | [`Action::Snapshot`]  |
+//! | `PUT /vm/snapshot`  | `{"path": "/some/dir", "diff": true}`                 | [`Action::Snapshot`]  |
 //! | `PUT /vm/fork`      | `{"count": N, "name_prefix": "s", "parent": "paused", "overcommit": true}`| [`Action::Fork`]      |
 //! | `PUT /vm/shutdown`  | none                                                  | [`Action::Shutdown`]  |
 //! | `GET /vm/net`       | none                                                  | [`Action::Net`]       |
@@ -55,8 +55,10 @@ pub enum Action {
     Pause,
     /// PUT /vm/resume
     Resume,
-    /// PUT /vm/snapshot  body {"path": "/some/dir"}  (path required, non-empty string)
-    Snapshot { path: PathBuf },
+    /// PUT /vm/snapshot  body {"path": "/some/dir", "diff": bool}  (path required, non-empty
+    /// string; diff optional, default false: only the pages written since the restore, over
+    /// the snapshot restored from, see [`crate::diff`])
+    Snapshot { path: PathBuf, diff: bool },
     /// PUT /vm/fork  body {"count": N, "name_prefix": "optional string", "parent":
     /// "running"|"paused" (optional, default "running"), "overcommit": bool (optional,
     /// default false)}. `count` is at most [`MAX_FORK_COUNT`]; whether 0 makes sense is the

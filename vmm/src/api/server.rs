@@ -811,7 +811,17 @@ fn kind(value: &Value) -> &'static str {
 
 fn parse_snapshot(endpoint: &str, body: &[u8]) -> Result<Action, String> {
     const EXAMPLE: &str = r#"{"path": "/some/dir"}"#;
-    let object = json_object(endpoint, body, &["path"], EXAMPLE)?;
+    let object = json_object(endpoint, body, &["path", "diff"], EXAMPLE)?;
+    let diff = match object.get("diff") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(diff)) => *diff,
+        Some(other) => {
+            return Err(format!(
+                "the field \"diff\" of {endpoint} must be true or false, not {}",
+                kind(other)
+            ))
+        }
+    };
     match object.get("path") {
         None | Some(Value::Null) => Err(format!(
             "{endpoint} needs the field \"path\", the directory to write the snapshot to: \
@@ -826,6 +836,7 @@ fn parse_snapshot(endpoint: &str, body: &[u8]) -> Result<Action, String> {
         )),
         Some(Value::String(path)) => Ok(Action::Snapshot {
             path: PathBuf::from(path),
+            diff,
         }),
         Some(other) => Err(format!(
             "the field \"path\" of {endpoint} must be a string (a directory), not {}",

@@ -35,7 +35,7 @@ fn answer(action: &Action) -> Reply {
     match action {
         Action::Describe => Reply::ok(json!({"state": "running"})),
         Action::Pause | Action::Resume | Action::Shutdown => Reply::no_content(),
-        Action::Snapshot { path } => Reply::ok(json!({ "path": path })),
+        Action::Snapshot { path, .. } => Reply::ok(json!({ "path": path })),
         Action::Fork(ForkRequest { count: 0, .. }) => Reply::error(400, "count must be at least 1"),
         Action::Fork(ForkRequest { count, .. }) => Reply::ok(json!({ "clones": count })),
         Action::Net => Reply::ok(json!({"policy": "open"})),
@@ -197,6 +197,17 @@ fn every_action_makes_the_round_trip() {
             Some(json!({"path": "/some/dir"})),
             Action::Snapshot {
                 path: "/some/dir".into(),
+                diff: false,
+            },
+            200,
+        ),
+        (
+            "PUT",
+            "/vm/snapshot",
+            Some(json!({"path": "/some/dir", "diff": true})),
+            Action::Snapshot {
+                path: "/some/dir".into(),
+                diff: true,
             },
             200,
         ),
