@@ -35,8 +35,9 @@ pub use file::{
 };
 pub use open::{open_regular, SnapshotDir, MAX_STATE_BYTES};
 pub use state::{
-    layer_name, Extent, HostFingerprint, IdentityState, KvmVmState, MemoryLayer, MemoryRange,
-    VcpuState, VmState, MAX_MEMORY_EXTENTS, MAX_MEMORY_LAYERS, MAX_WORKING_SET, MEMORY_LAYERS_DIR,
+    layer_file_name, layer_name, Extent, HostFingerprint, IdentityState, KvmVmState, MemoryLayer,
+    MemoryRange, VcpuState, VmState, MAX_MEMORY_EXTENTS, MAX_MEMORY_LAYERS, MAX_WORKING_SET,
+    MEMORY_LAYERS_DIR,
 };
 pub use trailer::{check_trailer, memory_file_len, write_trailer, TRAILER_BYTES};
 

@@ -143,6 +143,11 @@ impl VmState {
     }
 }
 
+/// The name a memory layer gets in [`MEMORY_LAYERS_DIR`]: its snapshot ID, in hex.
+pub fn layer_file_name(snapshot_id: &[u8; 16]) -> String {
+    snapshot_id.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// The file name of a relative layer path `memory-layers/<name>`; `None` for anything else.
 pub fn layer_name(path: &std::path::Path) -> Option<&std::ffi::OsStr> {
     use std::path::Component;

@@ -169,8 +169,18 @@ fn link_layer(layer: &ChainLayer, dir: &Path, name: &str) -> Result<bool, DiffEr
     }
 }
 
-fn hex(id: &[u8; 16]) -> String {
-    id.iter().map(|b| format!("{b:02x}")).collect()
+/// Whether a diff snapshot of `ram` can be written; why not if not.
+pub fn check_layered(ram: &GuestRam) -> Result<(), DiffError> {
+    if ram.kind != RamKind::CopyOnWrite {
+        return Err(DiffError::NotLayered(match ram.kind {
+            RamKind::Lazy => "was restored lazily",
+            _ => "has its memory in a memfd: booted, restored eagerly, or a fork's clone",
+        }));
+    }
+    if ram.chain.is_empty() {
+        return Err(DiffError::NotLayered("maps a fork's memory base"));
+    }
+    Ok(())
 }
 
 /// Write guest RAM as a diff snapshot into `dir` (the snapshot's temporary directory): its
@@ -181,15 +191,7 @@ pub fn write_diff(
     dir: &Path,
     state: &mut VmState,
 ) -> Result<DiffWritten, DiffError> {
-    if ram.kind != RamKind::CopyOnWrite {
-        return Err(DiffError::NotLayered(match ram.kind {
-            RamKind::Lazy => "was restored lazily",
-            _ => "has its memory in a memfd: booted, restored eagerly, or a fork's clone",
-        }));
-    }
-    if ram.chain.is_empty() {
-        return Err(DiffError::NotLayered("maps a fork's memory base"));
-    }
+    check_layered(ram)?;
     let written = ram
         .written_extents()
         .map_err(io("read which pages were written (/proc/self/pagemap)"))?;
@@ -217,7 +219,7 @@ pub fn write_diff(
     std::fs::create_dir(&layers_dir).map_err(io(format!("create {}", layers_dir.display())))?;
     let mut layers = Vec::with_capacity(keep.len());
     for layer in keep {
-        let name = hex(&layer.snapshot_id);
+        let name = mayfly_snapshot::layer_file_name(&layer.snapshot_id);
         let path = if link_layer(layer, &layers_dir, &name)? {
             Path::new(MEMORY_LAYERS_DIR).join(&name)
         } else {

@@ -541,8 +541,9 @@ pub fn link_into_snapshot(
     Ok(())
 }
 
-/// Make a snapshot directory self-contained (but for its bases): hard-link every layer its
-/// state names by full path (see [`link_into_snapshot`]) into its `disks/`, name them there,
+/// Make a snapshot directory self-contained (but for its disks' bases): hard-link every layer
+/// its state names by full path (see [`link_into_snapshot`]) into its `disks/` (a diff
+/// snapshot's memory layers into its `memory-layers/`, see [`crate::diff`]), name them there,
 /// and replace its state file (a new file, renamed over the old, so other links to the old
 /// one are untouched). Every such layer must lie in `within` (symbolic links resolved): the
 /// snapshot was written by a VMM whose own directory that is. For the sandbox manager, which
@@ -590,6 +591,32 @@ pub fn gather_layers(snapshot: &Path, within: &Path) -> Result<usize, DiskSetupE
             *layer = Path::new(SNAPSHOT_DISKS).join(name);
             gathered += 1;
         }
+    }
+    // The memory layers a diff snapshot names by full path, the same way.
+    let memory_layers = snapshot.join(mayfly_snapshot::MEMORY_LAYERS_DIR);
+    for layer in &mut state.memory_layers {
+        if layer.path.is_relative() {
+            continue;
+        }
+        let real = std::fs::canonicalize(&layer.path)
+            .ok()
+            .filter(|real| real.starts_with(&within))
+            .ok_or_else(|| DiskSetupError::LayerOutside {
+                layer: layer.path.clone(),
+                within: within.clone(),
+            })?;
+        let name = mayfly_snapshot::layer_file_name(&layer.snapshot_id);
+        if !memory_layers.exists() {
+            std::fs::create_dir(&memory_layers)
+                .map_err(io(format!("create {}", memory_layers.display())))?;
+        }
+        match std::fs::hard_link(&real, memory_layers.join(&name)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(io(format!("link {} into the snapshot", real.display()))(e)),
+        }
+        layer.path = Path::new(mayfly_snapshot::MEMORY_LAYERS_DIR).join(name);
+        gathered += 1;
     }
     if gathered > 0 {
         let tmp = snapshot.join(".state.new");

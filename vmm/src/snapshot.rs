@@ -125,6 +125,9 @@ pub fn create(
     if !vm.paused() {
         return Err(SnapshotCreateError::NotPaused);
     }
+    if diff {
+        crate::diff::check_layered(&vm.ram)?;
+    }
     let dest = absolute(dest)?;
     let parent = dest
         .parent()

@@ -1873,21 +1873,49 @@ impl Manager {
             Ok((status, body)) => Err(format!("PUT /vm/pause: {status} {body}")),
             Err(e) => Err(format!("PUT /vm/pause: {e}")),
         }
-        .and_then(|()| vmm_request("PUT", "/vm/snapshot", Some(&json!({ "path": snapshot }))));
-        if let Err(e) = snapped {
-            // It keeps running as it was.
-            let _ = vmm_request("PUT", "/vm/resume", None);
-            inner.record.state = State::Running;
-            let _ = sandbox.save(inner);
-            self.metrics.suspends_failed.fetch_add(1, Ordering::Relaxed);
-            self.event("suspend_failed", &sandbox.name, json!({ "error": e }));
-            // The idle watch tries again after another idle timeout, not at its next pass.
-            sandbox.touch(self);
-            return Err(ServeError::VmmFailed(format!(
-                "could not snapshot sandbox {} to suspend it: {e}",
-                sandbox.name
-            )));
-        }
+        .and_then(|()| {
+            // A diff over the snapshot it was restored from (its dirtied pages, not its RAM);
+            // a VMM that cannot (a booted VM: its memory is no snapshot's) says so with 409
+            // before writing anything, and writes a full one.
+            let take = |diff: bool| {
+                crate::api::request_with_timeout(
+                    &sock,
+                    "PUT",
+                    "/vm/snapshot",
+                    Some(&json!({ "path": snapshot, "diff": diff })),
+                    VMM_REQUEST_TIMEOUT,
+                )
+            };
+            match take(true) {
+                Ok((409, _)) => take(false),
+                other => other,
+            }
+            .map_err(|e| format!("PUT /vm/snapshot: {e}"))
+            .and_then(|(status, body)| {
+                if status < 300 {
+                    Ok(body)
+                } else {
+                    Err(format!("PUT /vm/snapshot: {status} {body}"))
+                }
+            })
+        });
+        let report = match snapped {
+            Ok(report) => report,
+            Err(e) => {
+                // It keeps running as it was.
+                let _ = vmm_request("PUT", "/vm/resume", None);
+                inner.record.state = State::Running;
+                let _ = sandbox.save(inner);
+                self.metrics.suspends_failed.fetch_add(1, Ordering::Relaxed);
+                self.event("suspend_failed", &sandbox.name, json!({ "error": e }));
+                // The idle watch tries again after another idle timeout, not at its next pass.
+                sandbox.touch(self);
+                return Err(ServeError::VmmFailed(format!(
+                    "could not snapshot sandbox {} to suspend it: {e}",
+                    sandbox.name
+                )));
+            }
+        };
         // The snapshot is on disk: the VMM may go however it goes.
         if let Some(mut vmm) = inner.vmm.take() {
             vmm.stop(&sock);
@@ -1904,7 +1932,13 @@ impl Manager {
         self.event(
             "suspended",
             &sandbox.name,
-            json!({ "ms": took.as_secs_f64() * 1e3, "disk_bytes": disk_bytes(&snapshot) }),
+            json!({
+                "ms": took.as_secs_f64() * 1e3,
+                "disk_bytes": disk_bytes(&snapshot),
+                "memory_bytes_written": report.get("memory_bytes_written"),
+                "memory_layers": report.get("memory_layers"),
+                "compacted": report.get("compacted"),
+            }),
         );
         Ok(())
     }
