@@ -158,11 +158,16 @@ impl Manager {
     }
 
     pub fn events(&self, event: &str, name: &str) -> usize {
+        self.event_lines(event, name).len()
+    }
+
+    /// The life-cycle events `event` of sandbox `name`, in order.
+    pub fn event_lines(&self, event: &str, name: &str) -> Vec<Value> {
         let text = std::fs::read_to_string(self.state.join("events.jsonl")).unwrap();
         text.lines()
             .filter_map(|l| serde_json::from_str::<Value>(l).ok())
             .filter(|e| e["event"] == event && e["sandbox"] == name)
-            .count()
+            .collect()
     }
 }
 

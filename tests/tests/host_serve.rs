@@ -93,6 +93,18 @@ fn an_idle_sandbox_sleeps_to_disk_and_wakes_on_the_next_request_with_its_memory(
         (200, Some("suspended")),
         "{body}"
     );
+    // The first sleep of a booted VM writes all it holds; the second, of a VM woken from
+    // that snapshot, only the pages written since: a diff over the first.
+    let suspends = m.event_lines("suspended", "sleepy");
+    assert_eq!(suspends.len(), 2, "{suspends:?}");
+    assert_eq!(suspends[0]["memory_layers"], 0, "{suspends:?}");
+    assert_eq!(suspends[1]["memory_layers"], 1, "{suspends:?}");
+    let diff_bytes = suspends[1]["memory_bytes_written"].as_u64().unwrap();
+    let full_bytes = suspends[0]["memory_bytes_written"].as_u64().unwrap();
+    assert!(
+        diff_bytes < 1 << 20 && full_bytes > 8 * diff_bytes,
+        "{suspends:?}"
+    );
     let (status, body) = call(
         &m.sock,
         Some(&token),

@@ -48,7 +48,7 @@ pub struct ChainLayer {
 pub enum DiffError {
     #[error("a diff snapshot needs a VM restored copy-on-write from a snapshot directory (this one {0}): take a full snapshot")]
     NotLayered(&'static str),
-    #[error("the memory layer {path} cannot be linked into the snapshot ({source}) and its name no longer is the file this VM maps: take a full snapshot")]
+    #[error("the memory layer {path} cannot be linked into the snapshot ({source}), and naming it by its path will not do (it is not the file this VM maps any more, or it is in the snapshot being replaced): take a full snapshot")]
     Unlinkable {
         path: PathBuf,
         source: std::io::Error,
@@ -112,10 +112,16 @@ pub fn coalesce(mut extents: Vec<Extent>, max: usize) -> Vec<Extent> {
 }
 
 /// Link `layer` into `dir` as `name`: through /proc/self/fd (exactly the file this VM maps,
-/// whatever its name now is), else by its path if that still names the same file. `Ok(false)`
-/// when the kernel refuses the link (another owner's file, another file system) but the path
-/// still names the file: the caller names it by that path.
-fn link_layer(layer: &ChainLayer, dir: &Path, name: &str) -> Result<bool, DiffError> {
+/// whatever its name now is), else by its path, checked to be the same file once linked
+/// (a descriptor opened before the jail was entered is on another mount: EXDEV). `Ok(false)`
+/// when the kernel refuses both (another owner's file) but the path still names the file and
+/// lies outside `replacing` (the snapshot the new one replaces): the caller names it by path.
+fn link_layer(
+    layer: &ChainLayer,
+    dir: &Path,
+    name: &str,
+    replacing: &Path,
+) -> Result<bool, DiffError> {
     use std::os::unix::ffi::OsStrExt;
     let target = dir.join(name);
     let fd_path = format!("/proc/self/fd/{}", layer.file.as_raw_fd());
@@ -132,41 +138,44 @@ fn link_layer(layer: &ChainLayer, dir: &Path, name: &str) -> Result<bool, DiffEr
             libc::AT_SYMLINK_FOLLOW,
         )
     };
-    let err = if rc == 0 {
+    if rc == 0 {
         return Ok(true);
-    } else {
-        std::io::Error::last_os_error()
-    };
+    }
     let meta = layer
         .file
         .metadata()
         .map_err(io(format!("stat {}", layer.path.display())))?;
     let same_file = |path: &Path| {
-        std::fs::metadata(path).is_ok_and(|m| m.dev() == meta.dev() && m.ino() == meta.ino())
+        std::fs::symlink_metadata(path)
+            .is_ok_and(|m| m.is_file() && m.dev() == meta.dev() && m.ino() == meta.ino())
     };
-    let err = match err.raw_os_error() {
-        // No /proc here: by name, checked to be the same file once linked.
-        Some(libc::ENOENT) => match std::fs::hard_link(&layer.path, &target) {
+    let err = if same_file(&layer.path) {
+        match std::fs::hard_link(&layer.path, &target) {
             Ok(()) if same_file(&target) => return Ok(true),
             Ok(()) => {
                 let _ = std::fs::remove_file(&target);
                 std::io::Error::from(std::io::ErrorKind::NotFound)
             }
             Err(e) => e,
-        },
-        _ => err,
-    };
-    match err.raw_os_error() {
-        Some(libc::EPERM) | Some(libc::EXDEV) | Some(libc::EACCES)
-            if layer.path.is_absolute() && same_file(&layer.path) =>
-        {
-            Ok(false)
         }
-        _ => Err(DiffError::Unlinkable {
-            path: layer.path.clone(),
-            source: err,
-        }),
+    } else {
+        std::io::Error::from(std::io::ErrorKind::NotFound)
+    };
+    let refused = matches!(
+        err.raw_os_error(),
+        Some(libc::EPERM) | Some(libc::EXDEV) | Some(libc::EACCES)
+    );
+    if refused
+        && layer.path.is_absolute()
+        && !layer.path.starts_with(replacing)
+        && same_file(&layer.path)
+    {
+        return Ok(false);
     }
+    Err(DiffError::Unlinkable {
+        path: layer.path.clone(),
+        source: err,
+    })
 }
 
 /// Whether a diff snapshot of `ram` can be written; why not if not.
@@ -185,10 +194,12 @@ pub fn check_layered(ram: &GuestRam) -> Result<(), DiffError> {
 
 /// Write guest RAM as a diff snapshot into `dir` (the snapshot's temporary directory): its
 /// `memory` file (sized for all of RAM, trailer not yet written) and `memory-layers/`, and
-/// fill in `state`'s memory layers. The vCPUs must be paused.
+/// fill in `state`'s memory layers. `replacing` is the snapshot directory the new one takes
+/// the place of. The vCPUs must be paused.
 pub fn write_diff(
     ram: &GuestRam,
     dir: &Path,
+    replacing: &Path,
     state: &mut VmState,
 ) -> Result<DiffWritten, DiffError> {
     check_layered(ram)?;
@@ -220,7 +231,7 @@ pub fn write_diff(
     let mut layers = Vec::with_capacity(keep.len());
     for layer in keep {
         let name = mayfly_snapshot::layer_file_name(&layer.snapshot_id);
-        let path = if link_layer(layer, &layers_dir, &name)? {
+        let path = if link_layer(layer, &layers_dir, &name, replacing)? {
             Path::new(MEMORY_LAYERS_DIR).join(&name)
         } else {
             layer.path.clone()

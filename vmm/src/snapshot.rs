@@ -170,7 +170,7 @@ pub fn create(
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(io_err(&tmp)(err));
     }
-    let result = write_snapshot(vm, &tmp, start, diff).and_then(|report| {
+    let result = write_snapshot(vm, &tmp, &dest, start, diff).and_then(|report| {
         install(&tmp, &dest)?;
         Ok(SnapshotReport {
             path: dest.clone(),
@@ -325,6 +325,7 @@ pub fn header(vm: &Machine) -> Header {
 fn write_snapshot(
     vm: &Machine,
     dir: &Path,
+    dest: &Path,
     start: Instant,
     diff: bool,
 ) -> Result<SnapshotReport, SnapshotCreateError> {
@@ -338,7 +339,7 @@ fn write_snapshot(
     let memory_path = dir.join(MEMORY_FILE);
     let mut layers = (0, false);
     let (bytes, touched) = if diff {
-        let written = crate::diff::write_diff(&vm.ram, dir, &mut state)?;
+        let written = crate::diff::write_diff(&vm.ram, dir, dest, &mut state)?;
         layers = (written.layers, written.compacted);
         (written.bytes, Vec::new())
     } else {
