@@ -124,6 +124,14 @@ fn a_sandbox_wakes_from_disk_with_its_files_and_processes() {
         Some(json!({ "names": ["box-a", "box-b"] })),
     );
     assert_eq!(status, 201, "{body}");
+    // Its first sleep (of a booted VM) wrote all it held; the one the fork took, of the VM
+    // woken from that snapshot, only what the guest wrote since: a diff over the first.
+    let suspends = m.event_lines("suspended", "box");
+    assert_eq!(suspends.len(), 2, "{suspends:?}");
+    assert_eq!(suspends[0]["memory_layers"], 0, "{suspends:?}");
+    assert_eq!(suspends[1]["memory_layers"], 1, "{suspends:?}");
+    let written = |i: usize| suspends[i]["memory_bytes_written"].as_u64().unwrap();
+    assert!(written(1) * 4 < written(0), "{suspends:?}");
     let (status, _) = m.admin("DELETE", "/sandboxes/box", None);
     assert_eq!(status, 200);
     let gone = verify(&m, &credential);
@@ -155,13 +163,20 @@ fn a_sandbox_wakes_from_disk_with_its_files_and_processes() {
         assert_eq!(code, 0, "{name}: {out}");
         assert_eq!(out, format!("kept\nalive\n{name}\n{name}\n"), "{name}");
     }
-    // What one clone wrote, the other does not see.
-    let (_, out) = shell(
-        &m,
-        body["clones"][0]["token"].as_str().unwrap(),
-        "box-a",
-        "cat /root/mine",
+    // What one clone wrote, the other does not see; a clone sleeps (a diff over the fork's
+    // chain, whose files are root's: named by path) and wakes with it.
+    let a_token = body["clones"][0]["token"].as_str().unwrap();
+    let (status, body) = call(
+        &m.sock,
+        Some(a_token),
+        "PUT",
+        "/sandboxes/box-a/pause",
+        None,
     );
+    assert_eq!(status, 200, "{body}");
+    let slept = m.event_lines("suspended", "box-a");
+    assert_eq!(slept.last().unwrap()["memory_layers"], 2, "{slept:?}");
+    let (_, out) = shell(&m, a_token, "box-a", "cat /root/mine");
     assert_eq!(out, "box-a\n");
     for name in ["box-a", "box-b"] {
         let (status, _) = m.admin("DELETE", &format!("/sandboxes/{name}"), None);

@@ -12,7 +12,12 @@
 //!   `GET /vm` on the VMM's own socket;
 //! - **fork**: `POST /sandboxes/NAME/fork` of a running sandbox into 1 clone (each round) and
 //!   into 10 (once), to the 201 (every clone running), with the snapshot's part of it;
-//! - **parked**: disk per suspended sandbox (allocated blocks) and VMM processes left (0).
+//! - **parked**: disk per suspended sandbox (allocated blocks of its own files: the template
+//!   it shares with every sandbox made from it counted apart), against the pages it dirtied
+//!   (what its last suspend wrote: a diff over the template), and VMM processes left (0);
+//! - **many parked**: `--parked N` sandboxes (default 1,000) created from the template and
+//!   put to sleep one after another, then all of them asleep at once: disk in all, VMM
+//!   processes left, and one of them woken at the end.
 //!
 //! Targets (issue "sandbox manager"): create from a template ≤ 1.5× a plain restore;
 //! wake-on-exec ≤ 1.5× restore → first answer; overhead per call ≤ 1 ms; disk per parked
@@ -28,6 +33,7 @@
     )
 )]
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -51,6 +57,9 @@ struct Args {
     /// Requests for the per-call overhead.
     #[arg(long, default_value_t = 200)]
     calls: usize,
+    /// Sandboxes parked at once in the last phase.
+    #[arg(long, default_value_t = 1000)]
+    parked: usize,
     /// Write the JSON report here instead of stdout.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -79,10 +88,24 @@ struct Report {
     direct_call_ms: Stats,
     /// Median through the manager − median direct (target ≤ 1 ms).
     overhead_per_call_ms: f64,
-    /// Allocated bytes of one suspended sandbox's directory (its snapshot, logs, record).
+    /// Allocated bytes of one suspended sandbox's own files (its diff snapshot, logs, record;
+    /// not the template's files it links).
     parked_disk_bytes: u64,
-    /// What the probe dirtied: its whole memory (it writes every page at boot).
+    /// What it dirtied since the template: the memory its last suspend wrote.
     parked_dirty_bytes: u64,
+    /// parked_disk_bytes − parked_dirty_bytes (target ≤ 1 MiB).
+    parked_overhead_bytes: i64,
+    /// The template's own files, shared by every sandbox made from it.
+    template_disk_bytes: u64,
+    /// Sandboxes asleep at once in the last phase, and what it took to get there.
+    many_parked: usize,
+    many_parked_create_and_suspend_s: f64,
+    /// Allocated bytes of all their directories (shared files counted once).
+    many_parked_disk_bytes: u64,
+    /// Their VMM processes still running (0: RAM ≈ 0).
+    many_parked_vmm_processes: usize,
+    /// One of them woken by a request, to its answer.
+    many_parked_wake_ms: f64,
     /// VMM processes of the parked sandboxes still running (RAM ≈ 0 means 0).
     parked_vmm_processes: usize,
     /// `POST .../fork {"count":1}` of a running sandbox → 201.
@@ -254,7 +277,13 @@ fn main() {
         let (status, body) = m.admin("PUT", &format!("/sandboxes/{name}/pause"), None);
         ok(status, &body, "park");
     }
-    let parked_disk = du(&m.state.join("sandboxes/snap0"));
+    let template_files = inodes(&snap);
+    let parked_disk = du_own(&m.state.join("sandboxes/snap0"), &template_files);
+    let parked_dirty = m
+        .event_lines("suspended", "snap0")
+        .last()
+        .and_then(|e| e["memory_bytes_written"].as_u64())
+        .unwrap_or(0);
     let parked_vmm_processes = names
         .iter()
         .filter(|n| !m.describe(n)["pid"].is_null())
@@ -262,6 +291,38 @@ fn main() {
     for name in &names {
         m.admin("DELETE", &format!("/sandboxes/{name}"), None);
     }
+
+    // Many parked: each created from the template and put to sleep at once.
+    let start = Instant::now();
+    for i in 0..args.parked {
+        if i % 100 == 0 {
+            eprintln!("serve bench: parking {i}/{}", args.parked);
+        }
+        let name = format!("park{i}");
+        let (status, body) = m.admin(
+            "POST",
+            "/sandboxes",
+            Some(json!({ "name": name, "template": template })),
+        );
+        ok(status, &body, "create to park");
+        let (status, body) = m.admin("PUT", &format!("/sandboxes/{name}/pause"), None);
+        ok(status, &body, "park");
+    }
+    let many_parked_s = start.elapsed().as_secs_f64();
+    let (_, list) = m.admin("GET", "/sandboxes", None);
+    let parked: Vec<&serde_json::Value> = list["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["name"].as_str().is_some_and(|n| n.starts_with("park")))
+        .collect();
+    assert_eq!(parked.len(), args.parked, "{list}");
+    let many_parked_vmm_processes = parked.iter().filter(|s| !s["pid"].is_null()).count();
+    let many_parked_disk = du_own(&m.state.join("sandboxes"), &template_files);
+    let start = Instant::now();
+    let (status, body) = m.admin("GET", "/sandboxes/park0/vm", None);
+    ok(status, &body, "wake a parked sandbox");
+    let many_parked_wake_ms = ms(start);
 
     let median = |v: &[f64]| Stats::of(v).map_or(0.0, |s| s.median);
     let report = Report {
@@ -282,7 +343,15 @@ fn main() {
         via_manager_call_ms: Stats::of(&via).unwrap_or_default(),
         direct_call_ms: Stats::of(&direct).unwrap_or_default(),
         parked_disk_bytes: parked_disk,
-        parked_dirty_bytes: args.mem_mib << 20,
+        parked_dirty_bytes: parked_dirty,
+        parked_overhead_bytes: i64::try_from(parked_disk).unwrap_or(i64::MAX)
+            - i64::try_from(parked_dirty).unwrap_or(i64::MAX),
+        template_disk_bytes: du_own(&snap, &Default::default()),
+        many_parked: args.parked,
+        many_parked_create_and_suspend_s: many_parked_s,
+        many_parked_disk_bytes: many_parked_disk,
+        many_parked_vmm_processes,
+        many_parked_wake_ms,
         parked_vmm_processes,
         fork_1_ms: Stats::of(&fork_1).unwrap_or_default(),
         fork_1_snapshot_ms: Stats::of(&fork_1_snapshot).unwrap_or_default(),
@@ -292,7 +361,8 @@ fn main() {
     eprintln!(
         "serve bench: create from a template {:.2} ms vs plain restore {:.2} ms ({:.2}x; jailed \
          {:.2} ms, {:.2}x), wake on request {:.2} ms ({:.2}x), suspend {:.1} ms, overhead per \
-         call {:.3} ms, parked {} MiB, fork into 1 {:.1} ms, into 10 {:.1} ms",
+         call {:.3} ms, parked {} KiB (dirtied {} KiB), fork into 1 {:.1} ms, into 10 {:.1} ms; \
+         {} parked: {} MiB, {} VMMs running, one woken in {:.1} ms",
         median(&from_snap),
         median(&restore),
         report.create_over_restore,
@@ -302,24 +372,56 @@ fn main() {
         report.wake_over_restore,
         median(&suspend),
         report.overhead_per_call_ms,
-        parked_disk >> 20,
+        parked_disk >> 10,
+        parked_dirty >> 10,
         median(&fork_1),
-        fork_10_ms
+        fork_10_ms,
+        args.parked,
+        many_parked_disk >> 20,
+        many_parked_vmm_processes,
+        many_parked_wake_ms
     );
     emit_report("serve", &report, args.out.as_deref());
 }
 
-/// Allocated bytes under `path`.
-fn du(path: &Path) -> u64 {
+/// The (device, inode) of every file under `path`.
+fn inodes(path: &Path) -> HashSet<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
-    let Ok(meta) = std::fs::symlink_metadata(path) else {
-        return 0;
-    };
-    let own = meta.blocks() * 512;
-    if !meta.is_dir() {
-        return own;
+    let mut seen = HashSet::new();
+    let mut stack = vec![path.to_path_buf()];
+    while let Some(path) = stack.pop() {
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        seen.insert((meta.dev(), meta.ino()));
+        if meta.is_dir() {
+            if let Ok(entries) = std::fs::read_dir(&path) {
+                stack.extend(entries.flatten().map(|e| e.path()));
+            }
+        }
     }
-    own + std::fs::read_dir(path)
-        .map(|entries| entries.flatten().map(|e| du(&e.path())).sum::<u64>())
-        .unwrap_or(0)
+    seen
+}
+
+/// Allocated bytes under `path`, each file once, none of `shared`'s.
+fn du_own(path: &Path, shared: &HashSet<(u64, u64)>) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut seen = shared.clone();
+    let mut total = 0;
+    let mut stack = vec![path.to_path_buf()];
+    while let Some(path) = stack.pop() {
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if !seen.insert((meta.dev(), meta.ino())) {
+            continue;
+        }
+        total += meta.blocks() * 512;
+        if meta.is_dir() {
+            if let Ok(entries) = std::fs::read_dir(&path) {
+                stack.extend(entries.flatten().map(|e| e.path()));
+            }
+        }
+    }
+    total
 }
