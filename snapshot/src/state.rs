@@ -324,6 +324,54 @@ mod tests {
             })
             .is_empty());
     }
+
+    #[test]
+    fn memory_layers_are_checked_before_anything_is_opened() {
+        let mut state = super::golden::sample_state();
+        state.mem_bytes = 1 << 20;
+        assert_eq!(state.check_memory_layers(), Ok(()));
+        let e = |offset, len| Extent { offset, len };
+        let bad = |edit: &dyn Fn(&mut VmState)| {
+            let mut s = state.clone();
+            edit(&mut s);
+            s.check_memory_layers().unwrap_err()
+        };
+        // Paths outside memory-layers/.
+        for path in [
+            "memory-layers/../../etc/passwd",
+            "../x/memory",
+            "memory-layers",
+            "x/y",
+        ] {
+            let err = bad(&|s| s.memory_layers[1].path = path.into());
+            assert!(err.contains("outside"), "{path}: {err}");
+        }
+        // Extents out of order, overlapping, unaligned, empty, beyond RAM, overflowing.
+        for extents in [
+            vec![e(0x2000, 0x1000), e(0x1000, 0x1000)],
+            vec![e(0x1000, 0x2000), e(0x2000, 0x1000)],
+            vec![e(0x1001, 0x1000)],
+            vec![e(0x1000, 0)],
+            vec![e(0xff000, 0x2000)],
+            vec![e(u64::MAX - 0xfff, 0x1000)],
+        ] {
+            bad(&|s| s.memory_extents = Some(extents.clone()));
+        }
+        // A diff layer at the bottom, a full one above it, none at all, too many.
+        bad(&|s| s.memory_layers[0].extents = Some(vec![]));
+        bad(&|s| s.memory_layers[1].extents = None);
+        bad(&|s| s.memory_layers.clear());
+        bad(&|s| {
+            let layer = s.memory_layers[1].clone();
+            s.memory_layers.resize(MAX_MEMORY_LAYERS + 1, layer);
+        });
+        // Layers under a full memory file.
+        bad(&|s| s.memory_extents = None);
+        let mut full = state.clone();
+        full.memory_extents = None;
+        full.memory_layers.clear();
+        assert_eq!(full.check_memory_layers(), Ok(()));
+    }
 }
 
 /// The golden-file test of the state file's encoding. A sample [`VmState`] and [`crate::Header`]

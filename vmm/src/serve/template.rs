@@ -249,7 +249,12 @@ impl Templates {
         )?;
         let sock = builder.socket();
         let result = (|| {
-            if !template.setup.is_empty() {
+            // Snapshotted once its guest is ready, setup or not: a snapshot of a guest still
+            // booting (or, the probe, still writing its pages) would make every sandbox
+            // made from it finish that work, and its first sleep write all of it.
+            if template.probe {
+                wait_for_probe(&dir.join("vmm.log"))?;
+            } else {
                 wait_for_agent(&sock)?;
             }
             for (i, command) in template.setup.iter().enumerate() {
@@ -314,6 +319,23 @@ fn wait_for_agent(sock: &Path) -> Result<(), ServeError> {
         "the template's guest agent did not answer within {} s (last: {last}); a template's \
          guest must run mayfly-agent, as the built-in one does",
         AGENT_TIMEOUT.as_secs()
+    )))
+}
+
+/// Wait until the probe guest reports that it has written its pages and waits (its report
+/// lines go to its VMM's log).
+fn wait_for_probe(log: &Path) -> Result<(), ServeError> {
+    let deadline = Instant::now() + AGENT_TIMEOUT;
+    while Instant::now() < deadline {
+        if std::fs::read_to_string(log).is_ok_and(|t| t.contains("mayfly-probe: waiting")) {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Err(ServeError::VmmFailed(format!(
+        "the template's probe guest did not report that it waits within {} s (see {})",
+        AGENT_TIMEOUT.as_secs(),
+        log.display()
     )))
 }
 
