@@ -946,13 +946,13 @@ fn sleeping_sandboxes_expire_and_unused_templates_are_collected() {
     );
     assert_eq!(events_of(&m, "template_collected").len(), 1);
     // Its sandbox does not need it: it sleeps and wakes with its memory (the probe checks
-    // every page it wrote after the wake).
-    m.wait_probe("made", "waiting", 1);
+    // every page it wrote after each restore: the template's, then the wake).
+    m.wait_probe("made", "verified", 1);
     let (status, body) = m.admin("PUT", "/sandboxes/made/pause", None);
     assert_eq!(status, 200, "{body}");
     let (status, body) = m.admin("PUT", "/sandboxes/made/resume", None);
     assert_eq!((status, &body["state"]), (200, &json!("running")), "{body}");
-    m.wait_probe("made", "verified", 1);
+    m.wait_probe("made", "verified", 2);
     m.create(json!({ "name": "again", "template": template }));
     assert_eq!(events_of(&m, "template_built").len(), 2);
     let (_, metrics) = call(&m.sock, None, "GET", "/metrics", None);

@@ -256,17 +256,18 @@ impl State {
     }
 }
 
-/// Part of the memory budget held for a VMM while it starts (see
-/// [`Manager::reserve_memory`]).
-pub(super) struct MemoryReservation<'a> {
-    manager: &'a Manager,
+/// Part of a budget held while what it is for is under way: memory for a VMM while it starts
+/// (see [`Manager::reserve_memory`]), disk for a snapshot while it is written (see
+/// [`Manager::check_disk_for_suspend`]). Given back when dropped.
+pub(super) struct Reservation<'a> {
+    held: &'a Mutex<u64>,
     bytes: u64,
 }
 
-impl Drop for MemoryReservation<'_> {
+impl Drop for Reservation<'_> {
     fn drop(&mut self) {
-        let mut starting = lock(&self.manager.mem_starting);
-        *starting = starting.saturating_sub(self.bytes);
+        let mut held = lock(self.held);
+        *held = held.saturating_sub(self.bytes);
     }
 }
 
@@ -731,6 +732,8 @@ pub struct Manager {
     /// Guest memory of starts in flight (reserved, not yet in a record as running), bytes;
     /// its lock also makes each check-and-reserve one step.
     mem_starting: Mutex<u64>,
+    /// Disk held by the snapshots being written for suspends now.
+    disk_writing: Mutex<u64>,
     pub metrics: Metrics,
     /// Signs the credentials sandboxes' guests hold.
     credentials: super::credential::Keys,
@@ -784,6 +787,7 @@ impl Manager {
             template_ttl: policy.template_ttl_s.map(Duration::from_secs),
             templates_checked: Mutex::new(None),
             mem_starting: Mutex::new(0),
+            disk_writing: Mutex::new(0),
             metrics: Metrics::default(),
             credentials: super::credential::Keys::open(dir)?,
             events: Arc::new(Mutex::new(events)),
@@ -811,7 +815,7 @@ impl Manager {
         &self,
         name: &str,
         bytes: u64,
-    ) -> Result<Option<MemoryReservation<'_>>, ServeError> {
+    ) -> Result<Option<Reservation<'_>>, ServeError> {
         let Some(budget) = self.mem_budget else {
             return Ok(None);
         };
@@ -832,8 +836,8 @@ impl Manager {
             let in_use = self.memory_in_use().saturating_add(*starting);
             if in_use.saturating_add(bytes) <= budget {
                 *starting += bytes;
-                return Ok(Some(MemoryReservation {
-                    manager: self,
+                return Ok(Some(Reservation {
+                    held: &self.mem_starting,
                     bytes,
                 }));
             }
@@ -927,34 +931,40 @@ impl Manager {
     }
 
     /// Whether `sandbox` may write a snapshot of `guest_bytes` of memory within the disk
-    /// budget: a snapshot takes at most its memory and a MiB. (Suspends checked at the same
-    /// moment are not counted against each other: the budget may be passed by what they
-    /// write together.)
+    /// budget: a snapshot takes at most its memory and a MiB (a diff is usually far less, but
+    /// a compacting one can be all of it). What suspends under way may write is held until
+    /// they are done (the returned guard), so two at once are counted against each other.
     fn check_disk_for_suspend(
         &self,
         sandbox: &Sandbox,
         guest_bytes: u64,
-    ) -> Result<(), ServeError> {
+    ) -> Result<Option<Reservation<'_>>, ServeError> {
         let Some(budget) = self.disk_budget else {
-            return Ok(());
+            return Ok(None);
         };
         // The whole of it: the new snapshot is written beside the old one before the old
         // goes, and the old one's files may be linked by clones and stay.
         let needs = guest_bytes.saturating_add(1 << 20);
-        let in_use = self.disk_in_use();
+        let mut writing = lock(&self.disk_writing);
+        let in_use = self.disk_in_use().saturating_add(*writing);
         if in_use.saturating_add(needs) > budget {
             self.metrics.over_budget.fetch_add(1, Ordering::Relaxed);
             return Err(ServeError::OverBudget(format!(
-                "disk budget: suspending {} may write up to {} MiB, and sandboxes keep {} MiB of \
-                 the {} MiB budget (mayfly serve --disk-budget-mib): delete a sleeping sandbox, \
-                 or start the manager with a larger budget; it stays awake meanwhile",
+                "disk budget: suspending {} may write up to {} MiB, and sandboxes keep (or are \
+                 writing) {} MiB of the {} MiB budget (mayfly serve --disk-budget-mib): delete \
+                 a sleeping sandbox, or start the manager with a larger budget; it stays awake \
+                 meanwhile",
                 sandbox.name,
                 needs >> 20,
                 in_use >> 20,
                 budget >> 20
             )));
         }
-        Ok(())
+        *writing += needs;
+        Ok(Some(Reservation {
+            held: &self.disk_writing,
+            bytes: needs,
+        }))
     }
 
     pub(super) fn mayfly(&self) -> &Path {
@@ -1832,17 +1842,21 @@ impl Manager {
                 )))
             }
         }
-        if let Err(e) = self.check_disk_for_suspend(sandbox, inner.record.guest_bytes.unwrap_or(0))
-        {
-            self.event(
-                "suspend_refused",
-                &sandbox.name,
-                json!({ "error": e.to_string() }),
-            );
-            // The idle watch tries again after another idle timeout, not at its next pass.
-            sandbox.touch(self);
-            return Err(e);
-        }
+        let _writing =
+            match self.check_disk_for_suspend(sandbox, inner.record.guest_bytes.unwrap_or(0)) {
+                Ok(writing) => writing,
+                Err(e) => {
+                    self.event(
+                        "suspend_refused",
+                        &sandbox.name,
+                        json!({ "error": e.to_string() }),
+                    );
+                    // The idle watch tries again after another idle timeout, not at its next
+                    // pass.
+                    sandbox.touch(self);
+                    return Err(e);
+                }
+            };
         let start = Instant::now();
         inner.record.state = State::Suspending;
         sandbox.save(inner)?;
