@@ -2,7 +2,7 @@
 //! pages written since the snapshot the VM was restored from.
 //!
 //! - A copy-on-write restore maps the bottom (full) memory file over all of guest RAM, then
-//!   each later layer's extents over it, file-backed and private ([`GuestRam::map_chain`]).
+//!   each later layer's extents over it, file-backed and private ([`GuestRam::copy_on_write_chain`]).
 //!   Pages the guest (through KVM) or the VMM (a device writing a buffer) write become
 //!   anonymous copies; pages only read stay the files'. So the kernel's page table says
 //!   exactly which pages changed since the restore: /proc/self/pagemap, a present page that
@@ -165,9 +165,12 @@ fn link_layer(
         err.raw_os_error(),
         Some(libc::EPERM) | Some(libc::EXDEV) | Some(libc::EACCES)
     );
+    // Compared resolved: a layer inside the snapshot being replaced, however spelt, goes with
+    // it.
+    let resolved = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
     if refused
         && layer.path.is_absolute()
-        && !layer.path.starts_with(replacing)
+        && !resolved(&layer.path).starts_with(resolved(replacing))
         && same_file(&layer.path)
     {
         return Ok(false);
@@ -319,22 +322,26 @@ pub fn open_chain(
     Ok(chain)
 }
 
+/// The newest layer of `chain` that holds the page at `offset` (the bottom holds all).
+pub fn layer_holding(chain: &[ChainLayer], offset: u64) -> Option<&ChainLayer> {
+    chain.iter().rev().find(|layer| match &layer.extents {
+        None => true,
+        Some(extents) => {
+            let i = extents.partition_point(|e| e.end() <= offset);
+            extents.get(i).is_some_and(|e| e.offset <= offset)
+        }
+    })
+}
+
 /// Read one page at `offset` of guest RAM from the newest layer of `chain` that holds it.
 pub fn read_chain_page(chain: &[ChainLayer], offset: u64, page: &mut [u8]) -> std::io::Result<()> {
-    for layer in chain.iter().rev() {
-        let holds = match &layer.extents {
-            None => true,
-            Some(extents) => {
-                let i = extents.partition_point(|e| e.end() <= offset);
-                extents.get(i).is_some_and(|e| e.offset <= offset)
-            }
-        };
-        if holds {
-            return layer.file.read_exact_at(page, offset);
+    match layer_holding(chain, offset) {
+        Some(layer) => layer.file.read_exact_at(page, offset),
+        None => {
+            page.fill(0);
+            Ok(())
         }
     }
-    page.fill(0);
-    Ok(())
 }
 
 #[cfg(test)]

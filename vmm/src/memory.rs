@@ -387,11 +387,21 @@ impl GuestRam {
         if seals >= 0 && seals & needed == needed {
             return BackingProtection::Sealed;
         }
-        // SAFETY: fcntl on a descriptor we own, with a valid signal number; checked.
-        let leased = unsafe {
-            libc::fcntl(fd, F_SETSIG, lease_signal()) == 0
-                && libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) == 0
+        let lease = |fd: i32| {
+            // SAFETY: fcntl on a descriptor we own, with a valid signal number; checked.
+            unsafe {
+                libc::fcntl(fd, F_SETSIG, lease_signal()) == 0
+                    && libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) == 0
+            }
         };
+        // The layers above the bottom of a diff snapshot's chain too: a change to any of them
+        // changes guest memory.
+        let leased = lease(fd)
+            && self
+                .chain
+                .iter()
+                .skip(1)
+                .all(|layer| lease(layer.file.as_raw_fd()));
         if leased {
             BackingProtection::Leased
         } else {
@@ -411,14 +421,21 @@ impl GuestRam {
             .map(|r| r.file_offset + r.size)
             .max()
             .unwrap_or(0);
-        match self.backing.metadata() {
-            Ok(meta) if meta.len() >= needed => None,
-            Ok(meta) => Some(format!(
-                "the VM's memory file was truncated under it (it is now {} bytes; the VM needs {needed})",
-                meta.len()
-            )),
-            Err(e) => Some(format!("the VM's memory file cannot be checked: {e}")),
+        let layers =
+            std::iter::once(&self.backing).chain(self.chain.iter().skip(1).map(|l| &l.file));
+        for file in layers {
+            match file.metadata() {
+                Ok(meta) if meta.len() >= needed => {}
+                Ok(meta) => {
+                    return Some(format!(
+                        "the VM's memory file was truncated under it (it is now {} bytes; the VM needs {needed})",
+                        meta.len()
+                    ))
+                }
+                Err(e) => return Some(format!("the VM's memory file cannot be checked: {e}")),
+            }
         }
+        None
     }
 
     /// Total bytes of guest RAM.
@@ -608,11 +625,13 @@ fn page_flags(addr: *const u8, len: usize) -> std::io::Result<Vec<u64>> {
     Ok(flags)
 }
 
-/// Which pages of `addr..addr + len` this process has mapped.
-fn present_pages(addr: *const u8, len: usize) -> std::io::Result<Vec<bool>> {
+/// Which pages of `addr..addr + len` this process has in its mapping: present, or swapped out
+/// (a page the guest wrote and the host swapped is still its own: read through the mapping,
+/// it faults back in; the file behind it holds older contents).
+fn mapped_pages(addr: *const u8, len: usize) -> std::io::Result<Vec<bool>> {
     Ok(page_flags(addr, len)?
         .into_iter()
-        .map(|f| f & PM_PRESENT != 0)
+        .map(|f| f & (PM_PRESENT | PM_SWAPPED) != 0)
         .collect())
 }
 
@@ -654,7 +673,7 @@ impl GuestRam {
         let mut page_buf = vec![0u8; PAGE];
         for region in self.host_regions() {
             let region_end = region.file_offset + region.len as u64;
-            let present = present_pages(region.host_addr, region.len)?;
+            let present = mapped_pages(region.host_addr, region.len)?;
             for extent in extents {
                 let start = extent.offset.max(region.file_offset);
                 let end = extent.end().min(region_end);
@@ -695,7 +714,7 @@ impl GuestRam {
         };
         let mut page_buf = vec![0u8; PAGE];
         for region in ram.host_regions() {
-            let present = present_pages(region.host_addr, region.len)?;
+            let present = mapped_pages(region.host_addr, region.len)?;
             let extents = data_extents(&ram.backing, region.file_offset, region.len as u64)?;
             // Pages come in increasing order: walk the extents alongside.
             let mut extent = 0usize;
@@ -738,10 +757,12 @@ impl GuestRam {
                         }
                         continue;
                     }
-                } else if ram.chain.len() > 1 {
-                    // Not mapped here: the page is what the chain's newest layer holding it
-                    // holds.
-                    crate::diff::read_chain_page(&ram.chain, offset, &mut page_buf)?;
+                } else if let Some(layer) = crate::diff::layer_holding(&ram.chain, offset)
+                    .filter(|layer| layer.extents.is_some())
+                {
+                    // Not mapped here, and in a layer above the bottom: the page is what that
+                    // layer holds (the bottom's, below, skipping its holes).
+                    layer.file.read_exact_at(&mut page_buf, offset)?;
                     if !is_zero(&page_buf) {
                         flush(&mut run, &mut written)?;
                         out.write_all_at(&page_buf, offset)?;

@@ -945,8 +945,10 @@ impl Manager {
         // The whole of it: the new snapshot is written beside the old one before the old
         // goes, and the old one's files may be linked by clones and stay.
         let needs = guest_bytes.saturating_add(1 << 20);
+        // The walk of the sandboxes' files outside the lock (it takes a while with many).
+        let kept = self.disk_in_use();
         let mut writing = lock(&self.disk_writing);
-        let in_use = self.disk_in_use().saturating_add(*writing);
+        let in_use = kept.saturating_add(*writing);
         if in_use.saturating_add(needs) > budget {
             self.metrics.over_budget.fetch_add(1, Ordering::Relaxed);
             return Err(ServeError::OverBudget(format!(
@@ -1305,6 +1307,11 @@ impl Manager {
             return Err(ServeError::Conflict(format!(
                 "a sandbox named {name} exists: pick another name, or delete it first"
             )));
+        }
+        if let Some(template) = &mut spec.template {
+            // A guest without the agent is not waited for, nor is its template's (the record
+            // keeps the template as built: its key says which one it uses).
+            template.no_agent |= spec.no_agent;
         }
         if let Some(template) = &spec.template {
             // Built (or found) before the name is taken: a build may take a while.
@@ -1888,9 +1895,11 @@ impl Manager {
             Err(e) => Err(format!("PUT /vm/pause: {e}")),
         }
         .and_then(|()| {
-            // A diff over the snapshot it was restored from (its dirtied pages, not its RAM);
-            // a VMM that cannot (a booted VM: its memory is no snapshot's) says so with 409
-            // before writing anything, and writes a full one.
+            // A diff over the snapshot it was restored from (its dirtied pages, not its RAM),
+            // when that lies in its own `vm/` (its `base/`, or its own last sleep: a diff must
+            // not name a file outside, which its next wake would refuse). A VMM that cannot
+            // make one (a booted VM: its memory is no snapshot's) refuses before writing
+            // anything, and a full snapshot is written instead.
             let take = |diff: bool| {
                 crate::api::request_with_timeout(
                     &sock,
@@ -1900,9 +1909,15 @@ impl Manager {
                     VMM_REQUEST_TIMEOUT,
                 )
             };
-            match take(true) {
-                Ok((409, _)) => take(false),
-                other => other,
+            let diffable =
+                inner.record.wakes > 0 || sandbox.vm_dir().join(super::fork::BASE).is_dir();
+            if diffable {
+                match take(true) {
+                    Ok((status, _)) if status >= 300 => take(false),
+                    other => other,
+                }
+            } else {
+                take(false)
             }
             .map_err(|e| format!("PUT /vm/snapshot: {e}"))
             .and_then(|(status, body)| {

@@ -51,6 +51,9 @@ pub struct Template {
     /// The probe benchmark's guest (it has no agent: no setup commands).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub probe: bool,
+    /// A guest without the agent: snapshotted as soon as it starts (no setup commands).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_agent: bool,
     /// Shell commands run in order as root through the agent; each must exit 0.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub setup: Vec<String>,
@@ -85,6 +88,11 @@ impl Template {
         }
         if self.probe && !self.setup.is_empty() {
             return Err("the probe guest has no agent to run \"setup\" commands".into());
+        }
+        if self.no_agent && !self.setup.is_empty() {
+            return Err(
+                "a template without the agent (no_agent) cannot run \"setup\" commands".into(),
+            );
         }
         Ok(())
     }
@@ -254,7 +262,7 @@ impl Templates {
             // made from it finish that work, and its first sleep write all of it.
             if template.probe {
                 wait_for_probe(&dir.join("vmm.log"))?;
-            } else {
+            } else if !template.no_agent {
                 wait_for_agent(&sock)?;
             }
             for (i, command) in template.setup.iter().enumerate() {
