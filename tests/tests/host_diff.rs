@@ -97,65 +97,47 @@ fn a_diff_holds_only_the_pages_written_since_the_restore_and_restores_whole() {
     for round in 2..=6 {
         let sock = dir.join(&format!("s{round}.sock"));
         let mode = if round % 2 == 0 { "eager" } else { "cow" };
-        let vm = restore(&from, &sock, mode);
+        let mut vm = restore(&from, &sock, mode);
         if mode == "eager" {
             // An eager restore's memory is its own: a diff of it cannot be made.
             assert_eq!(snapshot(&sock, &dir.join("no"), true).unwrap_err().0, 409);
             stop(vm);
-            let vm = restore(&from, &sock, "cow");
-            let next = dir.join(&format!("d{round}"));
-            let report = snapshot(&sock, &next, true).unwrap();
-            compacted |= report["compacted"] == json!(true);
-            assert!(field(&report, "memory_layers") <= 5, "{report}");
-            assert!(field(&report, "memory_bytes_written") < 1 << 20, "{report}");
-            stop(vm);
-            from = next;
-        } else {
-            let next = dir.join(&format!("d{round}"));
-            let report = snapshot(&sock, &next, true).unwrap();
-            compacted |= report["compacted"] == json!(true);
-            assert!(field(&report, "memory_layers") <= 5, "{report}");
-            stop(vm);
-            from = next;
+            vm = restore(&from, &sock, "cow");
         }
+        let next = dir.join(&format!("d{round}"));
+        let report = snapshot(&sock, &next, true).unwrap();
+        compacted |= report["compacted"] == json!(true);
+        assert!(field(&report, "memory_layers") <= 5, "{report}");
+        assert!(field(&report, "memory_bytes_written") < 1 << 20, "{report}");
+        stop(vm);
+        from = next;
     }
     assert!(compacted, "six diffs deep, the chain never compacted");
     // A diff of the compacted chain still restores whole.
     stop(restore(&from, &dir.join("last.sock"), "cow"));
 
     // Lazy restore reads one memory file: a diff is refused, saying what to do.
-    let out = mayfly_output(
-        &[
-            "restore",
-            &d1.to_string_lossy(),
-            "--memory",
-            "lazy",
-            "--console",
-            "/dev/null",
-        ],
-        TIMEOUT,
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let err = restore_refused(&d1, &["--memory", "lazy"]);
     assert!(err.contains("--memory cow or eager"), "{err}");
 
-    // A diff whose layer is gone (named by full path, not linked) says which.
+    // A diff without its memory-layers/ (its state and memory copied alone) says which layer
+    // is missing.
     let mut damaged = d1.clone();
     damaged.set_file_name("d1-damaged");
     std::fs::create_dir(&damaged).unwrap();
     for name in ["state", "memory"] {
         std::fs::copy(d1.join(name), damaged.join(name)).unwrap();
     }
-    let out = mayfly_output(
-        &[
-            "restore",
-            &damaged.to_string_lossy(),
-            "--console",
-            "/dev/null",
-        ],
-        TIMEOUT,
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let err = restore_refused(&damaged, &[]);
     assert!(err.contains("memory layer"), "{err}");
+}
+
+/// `mayfly restore DIR ARGS` must fail: what it printed on stderr.
+fn restore_refused(dir: &Path, args: &[&str]) -> String {
+    let dir = dir.to_string_lossy();
+    let mut all = vec!["restore", &dir, "--console", "/dev/null"];
+    all.extend_from_slice(args);
+    let out = mayfly_output(&all, TIMEOUT);
+    assert!(!out.status.success(), "{dir} restored");
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }

@@ -559,7 +559,6 @@ pub fn gather_layers(snapshot: &Path, within: &Path) -> Result<usize, DiskSetupE
         mayfly_snapshot::read_state_file(&state_path).map_err(|e| gather(e.to_string()))?;
     let within =
         std::fs::canonicalize(within).map_err(io(format!("resolve {}", within.display())))?;
-    let disks = snapshot.join(SNAPSHOT_DISKS);
     let mut gathered = 0;
     for device in &mut state.devices.virtio {
         let VirtioKindState::Block(block) = &mut device.device else {
@@ -569,53 +568,23 @@ pub fn gather_layers(snapshot: &Path, within: &Path) -> Result<usize, DiskSetupE
             if layer.is_relative() {
                 continue;
             }
-            let real = std::fs::canonicalize(&*layer)
-                .ok()
-                .filter(|real| real.starts_with(&within))
-                .ok_or_else(|| DiskSetupError::LayerOutside {
-                    layer: layer.clone(),
-                    within: within.clone(),
-                })?;
-            let name = real
-                .file_name()
-                .ok_or_else(|| DiskSetupError::BadLayerName(real.display().to_string()))?
-                .to_owned();
-            if !disks.exists() {
-                std::fs::create_dir(&disks).map_err(io(format!("create {}", disks.display())))?;
-            }
-            match std::fs::hard_link(&real, disks.join(&name)) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(io(format!("link {} into the snapshot", real.display()))(e)),
-            }
-            *layer = Path::new(SNAPSHOT_DISKS).join(name);
+            *layer = gather_one(layer, &within, snapshot, SNAPSHOT_DISKS, None)?;
             gathered += 1;
         }
     }
     // The memory layers a diff snapshot names by full path, the same way.
-    let memory_layers = snapshot.join(mayfly_snapshot::MEMORY_LAYERS_DIR);
     for layer in &mut state.memory_layers {
         if layer.path.is_relative() {
             continue;
         }
-        let real = std::fs::canonicalize(&layer.path)
-            .ok()
-            .filter(|real| real.starts_with(&within))
-            .ok_or_else(|| DiskSetupError::LayerOutside {
-                layer: layer.path.clone(),
-                within: within.clone(),
-            })?;
         let name = mayfly_snapshot::layer_file_name(&layer.snapshot_id);
-        if !memory_layers.exists() {
-            std::fs::create_dir(&memory_layers)
-                .map_err(io(format!("create {}", memory_layers.display())))?;
-        }
-        match std::fs::hard_link(&real, memory_layers.join(&name)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(io(format!("link {} into the snapshot", real.display()))(e)),
-        }
-        layer.path = Path::new(mayfly_snapshot::MEMORY_LAYERS_DIR).join(name);
+        layer.path = gather_one(
+            &layer.path,
+            &within,
+            snapshot,
+            mayfly_snapshot::MEMORY_LAYERS_DIR,
+            Some(name),
+        )?;
         gathered += 1;
     }
     if gathered > 0 {
@@ -626,6 +595,42 @@ pub fn gather_layers(snapshot: &Path, within: &Path) -> Result<usize, DiskSetupE
             .map_err(io(format!("replace {}", state_path.display())))?;
     }
     Ok(gathered)
+}
+
+/// For [`gather_layers`]: hard-link `layer` (a full path, which must lie in `within`, symbolic
+/// links resolved) into `snapshot`'s `subdir` as `name` (by default its own file name), and
+/// return its name relative to the snapshot.
+fn gather_one(
+    layer: &Path,
+    within: &Path,
+    snapshot: &Path,
+    subdir: &str,
+    name: Option<String>,
+) -> Result<PathBuf, DiskSetupError> {
+    let real = std::fs::canonicalize(layer)
+        .ok()
+        .filter(|real| real.starts_with(within))
+        .ok_or_else(|| DiskSetupError::LayerOutside {
+            layer: layer.to_path_buf(),
+            within: within.to_path_buf(),
+        })?;
+    let name = match name {
+        Some(name) => std::ffi::OsString::from(name),
+        None => real
+            .file_name()
+            .ok_or_else(|| DiskSetupError::BadLayerName(real.display().to_string()))?
+            .to_owned(),
+    };
+    let dir = snapshot.join(subdir);
+    if !dir.exists() {
+        std::fs::create_dir(&dir).map_err(io(format!("create {}", dir.display())))?;
+    }
+    match std::fs::hard_link(&real, dir.join(&name)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(io(format!("link {} into the snapshot", real.display()))(e)),
+    }
+    Ok(Path::new(subdir).join(name))
 }
 
 #[cfg(test)]

@@ -757,21 +757,15 @@ impl GuestRam {
                         }
                         continue;
                     }
-                } else if let Some(layer) = crate::diff::layer_holding(&ram.chain, offset)
+                } else if let Some(source) = crate::diff::layer_holding(&ram.chain, offset)
                     .filter(|layer| layer.extents.is_some())
+                    .map(|layer| &layer.file)
+                    .or_else(|| in_backing(offset).then_some(&ram.backing))
                 {
-                    // Not mapped here, and in a layer above the bottom: the page is what that
-                    // layer holds (the bottom's, below, skipping its holes).
-                    layer.file.read_exact_at(&mut page_buf, offset)?;
-                    if !is_zero(&page_buf) {
-                        flush(&mut run, &mut written)?;
-                        out.write_all_at(&page_buf, offset)?;
-                        written.bytes += PAGE as u64;
-                        continue;
-                    }
-                } else if in_backing(offset) {
-                    // Not mapped here: the page is what the backing file holds.
-                    ram.backing.read_exact_at(&mut page_buf, offset)?;
+                    // Not mapped here: the page is what the layer above the bottom that holds
+                    // it holds (a diff snapshot's chain), else what the backing file holds
+                    // (skipping its holes).
+                    source.read_exact_at(&mut page_buf, offset)?;
                     if !is_zero(&page_buf) {
                         flush(&mut run, &mut written)?;
                         out.write_all_at(&page_buf, offset)?;

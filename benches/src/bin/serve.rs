@@ -390,30 +390,10 @@ fn main() {
     emit_report("serve", &report, args.out.as_deref());
 }
 
-/// The (device, inode) of every file under `path`.
-fn inodes(path: &Path) -> HashSet<(u64, u64)> {
+/// Walk everything under `path` (itself included) not in `seen` yet, adding it there and
+/// handing `visit` its metadata.
+fn walk(path: &Path, seen: &mut HashSet<(u64, u64)>, mut visit: impl FnMut(&std::fs::Metadata)) {
     use std::os::unix::fs::MetadataExt;
-    let mut seen = HashSet::new();
-    let mut stack = vec![path.to_path_buf()];
-    while let Some(path) = stack.pop() {
-        let Ok(meta) = std::fs::symlink_metadata(&path) else {
-            continue;
-        };
-        seen.insert((meta.dev(), meta.ino()));
-        if meta.is_dir() {
-            if let Ok(entries) = std::fs::read_dir(&path) {
-                stack.extend(entries.flatten().map(|e| e.path()));
-            }
-        }
-    }
-    seen
-}
-
-/// Allocated bytes under `path`, each file once, none of `shared`'s.
-fn du_own(path: &Path, shared: &HashSet<(u64, u64)>) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    let mut seen = shared.clone();
-    let mut total = 0;
     let mut stack = vec![path.to_path_buf()];
     while let Some(path) = stack.pop() {
         let Ok(meta) = std::fs::symlink_metadata(&path) else {
@@ -422,12 +402,28 @@ fn du_own(path: &Path, shared: &HashSet<(u64, u64)>) -> u64 {
         if !seen.insert((meta.dev(), meta.ino())) {
             continue;
         }
-        total += meta.blocks() * 512;
+        visit(&meta);
         if meta.is_dir() {
             if let Ok(entries) = std::fs::read_dir(&path) {
                 stack.extend(entries.flatten().map(|e| e.path()));
             }
         }
     }
+}
+
+/// The (device, inode) of every file under `path`.
+fn inodes(path: &Path) -> HashSet<(u64, u64)> {
+    let mut seen = HashSet::new();
+    walk(path, &mut seen, |_| {});
+    seen
+}
+
+/// Allocated bytes under `path`, each file once, none of `shared`'s.
+fn du_own(path: &Path, shared: &HashSet<(u64, u64)>) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut total = 0;
+    walk(path, &mut shared.clone(), |meta| {
+        total += meta.blocks() * 512
+    });
     total
 }
