@@ -1,13 +1,14 @@
-//! The seccomp filters (vmm/src/seccomp.rs) are live: the guest-facing threads of a running VMM
-//! (probe guest, this machine's KVM) run under a filter and the others do not; a call a filter
-//! does not allow ends the process with SIGSYS and a line naming the thread and the call; what
-//! the filter allows still works, arguments included (a vCPU thread may issue KVM ioctls, not
-//! others).
+//! The seccomp filters (vmm/src/seccomp.rs) are live: every thread of a running VMM (probe
+//! guest, this machine's KVM) but the controller runs under a filter: vCPUs, devices, the
+//! control socket, the console's input and the lazy-memory handler; a call a filter does not
+//! allow ends the process with SIGSYS and a line naming the thread and the call; what the
+//! filter allows still works, arguments included (a vCPU thread may issue KVM ioctls, not
+//! others; the control socket's threads may start threads, not processes).
 
 use std::process::Command;
 
-use mayfly_tests::guest::TestDir;
-use mayfly_tests::probe;
+use mayfly_tests::guest::{mayfly_ok, Guest, TestDir};
+use mayfly_tests::probe::{self, TIMEOUT};
 use mayfly_vmm::seccomp::{install, ThreadKind};
 
 /// The threads of process `pid`: (name, seccomp mode from /proc: 0 none, 2 filter).
@@ -28,26 +29,79 @@ fn threads(pid: u32) -> Vec<(String, u32)> {
 }
 
 #[test]
-fn the_guest_facing_threads_of_a_running_vmm_are_filtered() {
+fn every_thread_of_a_running_vmm_but_the_controller_is_filtered() {
     let dir = TestDir::new("seccomp-threads");
-    let guest = probe::boot(64, &dir.join("vm.sock"), "filtered");
-    let threads = threads(guest.pid());
-    let mode_of = |name: &str| {
-        threads
-            .iter()
-            .find(|(n, _)| n == name)
-            .unwrap_or_else(|| panic!("no thread {name} in {threads:?}"))
-            .1
-    };
-    for name in ["vcpu0", "virtio-rng", "virtio-vsock"] {
-        assert_eq!(
-            mode_of(name),
-            2,
-            "{name} runs without a filter: {threads:?}"
-        );
+    let sock = dir.join("vm.sock");
+    let guest = probe::boot(64, &sock, "filtered");
+    let booted = threads(guest.pid());
+    for name in ["vcpu0", "virtio-rng", "virtio-vsock", "api"] {
+        assert_eq!(mode_of(&booted, name), 2, "{name} runs without a filter");
     }
     // The controller (the main thread) acts for the host's user: no filter.
-    assert_eq!(mode_of("mayfly"), 0, "{threads:?}");
+    assert_eq!(mode_of(&booted, "mayfly"), 0, "{booted:?}");
+
+    // A lazy restore with console input: its page-fault handler and the console's input
+    // thread are filtered too, and so is a connection thread the control socket starts.
+    let snap = dir.join("snap");
+    mayfly_ok(&[
+        "snapshot",
+        "--sock",
+        &sock.to_string_lossy(),
+        &snap.to_string_lossy(),
+    ]);
+    drop(guest);
+    // A FIFO, as a fork gives each clone: its reader lives as long as the VM.
+    let input = dir.join("console.in");
+    let fifo = std::ffi::CString::new(input.to_string_lossy().as_bytes()).unwrap();
+    // SAFETY: mkfifo of a NUL-terminated path in the test's own directory.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    let rsock = dir.join("restored.sock");
+    let restored = Guest::start(&[
+        "restore",
+        &snap.to_string_lossy(),
+        "--memory",
+        "lazy",
+        "--console",
+        "/dev/null",
+        "--console-input",
+        &input.to_string_lossy(),
+        "--api-sock",
+        &rsock.to_string_lossy(),
+    ]);
+    assert!(
+        restored.wait_stderr("mayfly-probe: verified", TIMEOUT),
+        "the restored probe did not verify its pages: {}",
+        restored.stderr()
+    );
+    // A connection the server holds open while the threads are read: its thread is there.
+    let mut held = std::os::unix::net::UnixStream::connect(&rsock).unwrap();
+    std::io::Write::write_all(&mut held, b"GET /vm HTTP/1.1\r\n").unwrap();
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let running = loop {
+        let running = threads(restored.pid());
+        if running.iter().any(|(n, _)| n == "api-conn") || std::time::Instant::now() > deadline {
+            break running;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    for name in ["vcpu0", "api", "api-conn", "console-in", "mayfly-lazy-mem"] {
+        assert_eq!(mode_of(&running, name), 2, "{name} runs without a filter");
+    }
+    assert_eq!(mode_of(&running, "mayfly"), 0, "{running:?}");
+    // Still served: the request finished on the filtered connection thread gets its answer.
+    std::io::Write::write_all(&mut held, b"Host: x\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(&held), &mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+/// The seccomp mode of the thread called `name` among `threads`.
+fn mode_of(threads: &[(String, u32)], name: &str) -> u32 {
+    threads
+        .iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("no thread {name} in {threads:?}"))
+        .1
 }
 
 /// Run `case` (below) in a child process of this test binary; its exit status and stderr.
@@ -72,13 +126,16 @@ fn seccomp_child() {
         return;
     };
     let thread = std::thread::spawn(move || {
-        let kind = if case.starts_with("vcpu") {
-            ThreadKind::Vcpu
-        } else {
-            ThreadKind::Device
+        let kind = match case.split('-').next() {
+            Some("vcpu") => ThreadKind::Vcpu,
+            Some("api") => ThreadKind::Api,
+            Some("lazy") => ThreadKind::LazyMemory,
+            Some("console") => ThreadKind::Console,
+            _ => ThreadKind::Device,
         };
         install(kind).expect("install the filter");
-        // SAFETY: plain system calls on a bad descriptor or making a socket; no memory effects.
+        // SAFETY: plain system calls on a bad descriptor, making a socket, or forking a child
+        // that exits at once; no memory effects in this process.
         let rc = unsafe {
             match case.as_str() {
                 // socket(2): no filter of a vCPU allows it.
@@ -94,6 +151,25 @@ fn seccomp_child() {
                     c"/proc/sys/vm/overcommit_memory".as_ptr(),
                     libc::O_RDONLY | libc::O_CLOEXEC,
                 ),
+                // The control socket's threads start threads (clone3 refused with ENOSYS,
+                // glibc falls back to clone with CLONE_THREAD): the new thread runs.
+                "api-thread" => std::thread::spawn(|| 7).join().map_or(-1, |v| v),
+                // ... but never a process: fork(2) is clone without CLONE_THREAD.
+                "api-fork" => {
+                    let pid = libc::fork();
+                    if pid == 0 {
+                        libc::_exit(0);
+                    }
+                    pid
+                }
+                // Nor run a program.
+                "api-exec" => libc::execv(c"/bin/true".as_ptr(), [std::ptr::null()].as_ptr()),
+                // The lazy-memory handler: userfaultfd's ioctls (UFFDIO_API on a bad
+                // descriptor: EBADF), no socket.
+                "lazy-uffd-ioctl" => libc::ioctl(-1, 0xc018_aa3f_u64),
+                "lazy-socket" => libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0),
+                // The console's input reads and queues; no ioctl.
+                "console-ioctl" => libc::ioctl(-1, libc::TCGETS),
                 other => panic!("unknown case {other}"),
             }
         };
@@ -126,6 +202,25 @@ fn a_forbidden_call_from_a_filtered_thread_ends_the_process_with_sigsys() {
     );
     assert_killed_by_sigsys("vcpu-tty-ioctl", "a vcpu thread made system call 16");
     assert_killed_by_sigsys("device-ioctl", "a device thread made system call 16");
+    assert_killed_by_sigsys(
+        "api-fork",
+        &format!(
+            "a control socket thread made system call {}",
+            libc::SYS_clone
+        ),
+    );
+    assert_killed_by_sigsys(
+        "api-exec",
+        &format!(
+            "a control socket thread made system call {}",
+            libc::SYS_execve
+        ),
+    );
+    assert_killed_by_sigsys("lazy-socket", "a lazy memory thread made system call 41");
+    assert_killed_by_sigsys(
+        "console-ioctl",
+        "a console input thread made system call 16",
+    );
 }
 
 /// A filtered thread cannot open a file, but the VMM lives on: glibc's malloc opens
@@ -146,13 +241,18 @@ fn a_filtered_thread_that_opens_a_file_is_refused_and_the_vmm_goes_on() {
 
 #[test]
 fn what_a_filter_allows_still_works() {
-    let (status, stderr) = child("vcpu-kvm-ioctl");
+    for case in ["vcpu-kvm-ioctl", "lazy-uffd-ioctl"] {
+        let (status, stderr) = child(case);
+        assert!(status.success(), "{case}: {status:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "the call returned -1 (errno Some({}))",
+                libc::EBADF
+            )),
+            "{case}: {stderr}"
+        );
+    }
+    let (status, stderr) = child("api-thread");
     assert!(status.success(), "{status:?}: {stderr}");
-    assert!(
-        stderr.contains(&format!(
-            "the call returned -1 (errno Some({}))",
-            libc::EBADF
-        )),
-        "{stderr}"
-    );
+    assert!(stderr.contains("the call returned 7 "), "{stderr}");
 }

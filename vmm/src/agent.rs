@@ -506,17 +506,24 @@ pub fn spawn_refresh(
     let agent = Agent::new(vsock).with_wait(wait);
     let status = status.clone();
     status.set(RefreshState::Running);
-    std::thread::Builder::new()
+    // It reads the guest agent's frames: under the control socket's filter (Unix sockets).
+    let builder = std::thread::Builder::new()
         .name("agent-refresh".into())
-        .stack_size(crate::HELPER_THREAD_STACK)
-        .spawn(move || {
-            let state = match agent.refresh(event, &identity, mac) {
-                Ok(reply) => RefreshState::Done(Box::new(reply)),
-                Err(e) => RefreshState::Failed(e.to_string()),
-            };
-            status.set(state);
-        })?;
-    Ok(())
+        .stack_size(crate::HELPER_THREAD_STACK);
+    let thread_status = status.clone();
+    let spawned = crate::seccomp::spawn(builder, crate::seccomp::ThreadKind::Api, move || {
+        let state = match agent.refresh(event, &identity, mac) {
+            Ok(reply) => RefreshState::Done(Box::new(reply)),
+            Err(e) => RefreshState::Failed(e.to_string()),
+        };
+        thread_status.set(state);
+    });
+    if let Err(e) = &spawned {
+        status.set(RefreshState::Failed(format!(
+            "cannot start the refresh: {e}"
+        )));
+    }
+    spawned.map(drop)
 }
 
 #[cfg(test)]

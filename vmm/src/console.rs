@@ -150,15 +150,13 @@ impl Drop for RawTerminal {
 }
 
 /// Type what arrives on stdin (with `Console::Stdio`) and in `input` (a file or FIFO, opened
-/// read-write so writers may come and go) into the guest's serial port, and keep its
-/// interrupts from stalling.
+/// read-write so writers may come and go) into the guest's serial port.
 pub fn connect_input(
     serial: &Arc<Mutex<SerialConsole>>,
     gate: &Arc<Gate>,
     console: &Console,
     input: Option<&std::path::Path>,
 ) -> io::Result<()> {
-    spawn_uart_watchdog(serial, gate)?;
     if *console == Console::Stdio {
         spawn_forwarder(serial.clone(), gate.clone(), Box::new(io::stdin()))?;
     }
@@ -187,44 +185,6 @@ fn lock_unpaused<'a>(
     }
 }
 
-/// How long a UART interrupt may stay pending, untouched by the guest, before it is raised again.
-const UART_STALL: Duration = Duration::from_millis(50);
-/// The watchdog's longest sleep, once the guest has left the UART alone for a while: an idle
-/// VM is not woken 20 times a second for nothing (a thousand idle clones would spend a core
-/// on it), and a stall that begins after a long quiet is caught within this.
-const UART_IDLE_CHECK: Duration = Duration::from_millis(800);
-
-/// Watch the UART for interrupts the guest never took (see
-/// [`SerialConsole::kick_if_stalled`]) until the console goes away with the VM: every
-/// `UART_STALL` while the guest uses its console, backing off to `UART_IDLE_CHECK` while not.
-pub fn spawn_uart_watchdog(serial: &Arc<Mutex<SerialConsole>>, gate: &Arc<Gate>) -> io::Result<()> {
-    let serial = Arc::downgrade(serial);
-    let gate = gate.clone();
-    std::thread::Builder::new()
-        .name("uart-watchdog".into())
-        .stack_size(crate::HELPER_THREAD_STACK)
-        .spawn(move || {
-            let mut sleep = UART_STALL;
-            loop {
-                std::thread::sleep(sleep);
-                let Some(serial) = serial.upgrade() else {
-                    return;
-                };
-                let Some(mut uart) = lock_unpaused(&serial, &gate) else {
-                    return;
-                };
-                match uart.kick_if_stalled(UART_STALL) {
-                    Err(_) => return,
-                    Ok(true) => sleep = UART_STALL,
-                    // The guest used its console since the last look.
-                    Ok(false) if uart.idle_for() < sleep => sleep = UART_STALL,
-                    Ok(false) => sleep = (sleep * 2).min(UART_IDLE_CHECK),
-                }
-            }
-        })?;
-    Ok(())
-}
-
 /// Forward `input` to the guest's serial port until it ends. Input waits while the guest has
 /// not read what is already queued (the UART's FIFO is small).
 fn spawn_forwarder(
@@ -232,33 +192,34 @@ fn spawn_forwarder(
     gate: Arc<Gate>,
     mut input: Box<dyn Read + Send>,
 ) -> io::Result<()> {
-    std::thread::Builder::new()
+    // It reads what the host's user types and queues it in the UART the guest drives.
+    let builder = std::thread::Builder::new()
         .name("console-in".into())
-        .stack_size(crate::HELPER_THREAD_STACK)
-        .spawn(move || {
-            let stdin = &mut input;
-            let mut buf = [0u8; 256];
-            loop {
-                let n = match stdin.read(&mut buf) {
-                    Ok(0) => return,
-                    Ok(n) => n,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(_) => return,
+        .stack_size(crate::HELPER_THREAD_STACK);
+    crate::seccomp::spawn(builder, crate::seccomp::ThreadKind::Console, move || {
+        let stdin = &mut input;
+        let mut buf = [0u8; 256];
+        loop {
+            let n = match stdin.read(&mut buf) {
+                Ok(0) => return,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => return,
+            };
+            let mut pending = &buf[..n];
+            while !pending.is_empty() {
+                let Some(mut uart) = lock_unpaused(&serial, &gate) else {
+                    return;
                 };
-                let mut pending = &buf[..n];
-                while !pending.is_empty() {
-                    let Some(mut uart) = lock_unpaused(&serial, &gate) else {
-                        return;
-                    };
-                    let queued = uart.queue_input(pending);
-                    drop(uart);
-                    pending = &pending[queued..];
-                    if !pending.is_empty() {
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
+                let queued = uart.queue_input(pending);
+                drop(uart);
+                pending = &pending[queued..];
+                if !pending.is_empty() {
+                    std::thread::sleep(Duration::from_millis(1));
                 }
             }
-        })?;
+        }
+    })?;
     Ok(())
 }
 

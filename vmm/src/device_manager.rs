@@ -232,7 +232,7 @@ pub struct DeviceManager {
     pub probe_waker: Arc<ProbeWaker>,
     /// Raises the ACPI Generic Event Device's interrupt: "the VM generation ID changed".
     pub ged: EventFd,
-    /// Where the console's helper threads (input, UART watchdog) stop while paused.
+    /// Where the console's input thread stops while paused.
     pub console_gate: Arc<Gate>,
     virtio: Vec<VirtioSlot>,
     /// Where the writable disks keep their layers (and new tops go at a freeze).
@@ -531,7 +531,7 @@ impl DeviceManager {
             Concrete::Vsock(_) => ThreadKind::VsockDevice,
             Concrete::Block(_) => ThreadKind::BlockDevice,
         };
-        let filter = Box::new(move || crate::seccomp::install(kind).map_err(|e| e.to_string()));
+        let filter = Box::new(move || crate::seccomp::install_or_exit(kind));
         let thread = DeviceThread::spawn_with(name, device, stack, saved.is_some(), filter)
             .map_err(DeviceError::Thread)?;
         let summary = match &concrete {

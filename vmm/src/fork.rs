@@ -48,7 +48,7 @@ pub const MAX_CLONES: u32 = 10_000;
 const CLONE_OVERHEAD_MIB: u64 = 2;
 const CLONE_RAM_FRACTION: u64 = 32;
 /// Tasks (threads, each with a pid) of a clone besides one per vCPU: its main thread, the
-/// signal, control socket, console input and UART watchdog threads, one per virtio device, and
+/// signal, control socket, console input and guest refresh threads, one per virtio device, and
 /// KVM's own worker. Counted high: a fork that runs out of pids fails half-way.
 const CLONE_TASKS: u64 = 10;
 /// Names in use skipped in one fork before it gives up.
@@ -598,6 +598,7 @@ pub fn fork(
     request: &ForkRequest,
 ) -> Result<ForkReport, ForkError> {
     let start = Instant::now();
+    crate::trace::event("fork_requested");
     check(vm, dir, request)?;
     let dir = dir.ok_or(ForkError::NoSocket)?.to_path_buf();
     let was_running = !vm.paused();
@@ -611,6 +612,7 @@ pub fn fork(
         })?;
     }
     let pause_ms = start.elapsed().as_secs_f64() * 1e3;
+    crate::trace::event("fork_paused");
     let result = fork_paused(vm, request, &dir, start, pause_ms);
     if was_running && !request.parent_paused {
         vm.resume();
@@ -637,6 +639,7 @@ fn fork_paused(
         &state,
     )?)?;
     let state_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms;
+    crate::trace::event("fork_state_captured");
 
     // MAYFLY_FORK_COPY: measure the alternative to handing the memory over (see above).
     let (base, copied_bytes) = if std::env::var_os("MAYFLY_FORK_COPY").is_some() {
@@ -649,9 +652,11 @@ fn fork_paused(
         vm.ram.freeze(&state.snapshot_id)?
     };
     let freeze_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms - state_ms;
+    crate::trace::event("fork_frozen");
 
     // The zygote starts (exec) while this VMM claims the clones' names.
     let zygote = Zygote::spawn(&state_file, &base)?;
+    crate::trace::event("fork_zygote_spawned");
     let zygote_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms - state_ms - freeze_ms;
 
     let parent = vm.info.identity.name.clone();
@@ -687,8 +692,10 @@ fn fork_paused(
             ..info
         });
     }
+    crate::trace::event("fork_clones_claimed");
     let open_log = |info: &CloneInfo| reopen_log(info, logs.get(&info.index));
     let clones = zygote.start_clones(&parent, claimed, &open_log, start, READY_TIMEOUT)?;
+    crate::trace::event("fork_clones_ready");
     Ok(ForkReport {
         parent,
         clones,

@@ -272,10 +272,15 @@ unsafe fn start_with(
         on_failure: Some(on_failure),
         layout,
     };
-    let thread = std::thread::Builder::new()
+    // The handler serves the guest's page faults: under its own seccomp filter (the memory
+    // file read, userfaultfd's ioctls) from before its first fault.
+    let builder = std::thread::Builder::new()
         .name("mayfly-lazy-mem".into())
-        .stack_size(crate::HELPER_THREAD_STACK)
-        .spawn(move || handler.run())
+        .stack_size(crate::HELPER_THREAD_STACK);
+    let thread =
+        crate::seccomp::spawn(builder, crate::seccomp::ThreadKind::LazyMemory, move || {
+            handler.run()
+        })
         .map_err(LazyError::Thread)?;
     Ok(LazyMemory {
         shared,

@@ -515,6 +515,7 @@ pub fn start(
     let vm_fd = vm::create_vm(&kvm, &ram)?;
     trace::event("vm_created");
     kvm_state::restore_vm(&vm_fd, &state.vm, &caps)?;
+    trace::event("vm_state_restored");
 
     let devices = DeviceManager::restore(
         &Wiring {
@@ -527,6 +528,7 @@ pub fn start(
         &state.devices,
         &config.devices,
     )?;
+    trace::event("devices_restored");
     let mut vcpu_fds = Vec::with_capacity(state.vcpus.len());
     for (index, vcpu_state) in state.vcpus.iter().enumerate() {
         let fd = vm_fd
@@ -590,6 +592,7 @@ pub fn start(
     if let Some(claim) = claims.api {
         controller.start_api(claim)?;
     }
+    trace::event("api_started");
     let m = &mut controller.machine;
     let context = VcpuContext {
         pio: m.devices.pio.clone(),
@@ -599,6 +602,7 @@ pub fn start(
     };
     // A jailed VMM is shut into its root now, before any guest code runs.
     crate::jail::lock_down(&m.devices.jail_needs(config.console_input.as_deref()))?;
+    trace::event("locked_down");
     m.vm.start_vcpus(vcpu_fds, context, config.paused)
         .map_err(RestoreError::Thread)?;
     // The restored devices' threads wait at their gates: a paused restore keeps them (and the

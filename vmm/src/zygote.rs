@@ -1092,10 +1092,16 @@ pub fn serve(state_fd: RawFd, memory_fd: RawFd, socket_fd: RawFd, clone_main: Cl
     if std::env::var_os("MAYFLY_TRACE").is_some() {
         crate::trace::enable();
     }
+    crate::trace::event("zygote_started");
     let prepared = match restore::prepare(source, MemoryMode::Cow, None) {
         Ok(prepared) => prepared,
         Err(err) => return unusable(err.to_string()),
     };
+    crate::trace::event("zygote_prepared");
+    // Every clone installs the same seccomp filters: compiled here once, inherited compiled.
+    if let Err(err) = crate::seccomp::prepare() {
+        return unusable(err.to_string());
+    }
     // Checked once everything before the first fork has run: nothing here starts a thread.
     if thread_count() != 1 {
         return unusable(format!(

@@ -97,14 +97,45 @@ impl From<Reply> for Outcome {
     }
 }
 
-/// Serve one request for a guest route on `stream`.
-pub fn serve(request: &Request, stream: &UnixStream, cx: &Context) -> Outcome {
+/// A guest route's request, parsed and checked: everything decided before the agent is asked.
+#[derive(Debug)]
+pub enum Call {
+    Exec(Box<HttpExec>),
+    WriteFile {
+        path: String,
+        options: WriteFileOptions,
+    },
+    ReadFile {
+        path: String,
+    },
+    Remove {
+        path: String,
+        recursive: bool,
+    },
+    Stat {
+        path: String,
+        follow: bool,
+    },
+    List {
+        path: String,
+    },
+    Mkdir {
+        path: String,
+        mode: u32,
+        parents: bool,
+    },
+    Agent,
+}
+
+/// Parse a request for a guest route: its method, query parameters and (for exec) body. What
+/// a client sends is checked here, before anything reaches the guest's agent.
+pub fn parse(request: &Request) -> Result<Call, Reply> {
     let method = request.method.as_str();
     if !ROUTES
         .iter()
         .any(|(m, p)| *m == method && *p == request.path)
     {
-        return Reply::error(
+        return Err(Reply::error(
             405,
             format!(
                 "{} {} is not supported: use {}",
@@ -112,49 +143,85 @@ pub fn serve(request: &Request, stream: &UnixStream, cx: &Context) -> Outcome {
                 request.path,
                 methods(&request.path)
             ),
-        )
-        .into();
+        ));
     }
+    Ok(match (method, request.path.as_str()) {
+        ("POST", "/vm/exec") => Call::Exec(Box::new(
+            parse_exec(&request.body).map_err(|message| Reply::error(400, message))?,
+        )),
+        ("PUT", "/vm/files") => Call::WriteFile {
+            path: path_of(request)?,
+            options: WriteFileOptions::default()
+                .mode(mode(request, 0o644)?)
+                .atomic(flag(request, "atomic", true)?)
+                .mkdirs(flag(request, "mkdirs", false)?),
+        },
+        ("GET", "/vm/files") => Call::ReadFile {
+            path: path_of(request)?,
+        },
+        ("DELETE", "/vm/files") => Call::Remove {
+            path: path_of(request)?,
+            recursive: flag(request, "recursive", false)?,
+        },
+        ("GET", "/vm/files/stat") => Call::Stat {
+            path: path_of(request)?,
+            follow: flag(request, "follow", true)?,
+        },
+        ("GET", "/vm/files/list") => Call::List {
+            path: path_of(request)?,
+        },
+        ("PUT", "/vm/files/dir") => Call::Mkdir {
+            path: path_of(request)?,
+            mode: mode(request, 0o755)?,
+            parents: flag(request, "parents", false)?,
+        },
+        ("GET", "/vm/agent") => Call::Agent,
+        _ => return Err(Reply::error(404, format!("there is no {}", request.path))),
+    })
+}
+
+/// Serve one request for a guest route on `stream`.
+pub fn serve(request: &Request, stream: &UnixStream, cx: &Context) -> Outcome {
+    let call = match parse(request) {
+        Ok(call) => call,
+        Err(reply) => return reply.into(),
+    };
     let agent = match agent_for(cx) {
         Ok(agent) => agent,
         Err(reply) => return reply.into(),
     };
-    let result = match (method, request.path.as_str()) {
-        ("POST", "/vm/exec") => return exec(request, stream, &agent, cx),
-        ("PUT", "/vm/files") => write_file(request, stream, &agent, cx),
-        ("GET", "/vm/files") => return read_file(request, stream, &agent),
-        ("DELETE", "/vm/files") => path_of(request).and_then(|path| {
-            let recursive = flag(request, "recursive", false)?;
-            agent
-                .remove(&path, recursive)
-                .map(|()| Reply::no_content())
-                .map_err(agent_reply)
-        }),
-        ("GET", "/vm/files/stat") => path_of(request).and_then(|path| {
-            let follow = flag(request, "follow", true)?;
-            let stat = agent.stat(&path, follow).map_err(agent_reply)?;
-            Ok(Reply::ok(serde_json::to_value(stat).unwrap_or_default()))
-        }),
-        ("GET", "/vm/files/list") => path_of(request).and_then(|path| {
-            let mut entries = agent.list(&path).map_err(agent_reply)?;
+    let result = match call {
+        Call::Exec(exec) => return run_exec(*exec, stream, &agent, cx),
+        Call::WriteFile { path, options } => {
+            write_file(request, &path, &options, stream, &agent, cx)
+        }
+        Call::ReadFile { path } => return read_file(&path, stream, &agent),
+        Call::Remove { path, recursive } => agent
+            .remove(&path, recursive)
+            .map(|()| Reply::no_content())
+            .map_err(agent_reply),
+        Call::Stat { path, follow } => agent
+            .stat(&path, follow)
+            .map(|stat| Reply::ok(serde_json::to_value(stat).unwrap_or_default()))
+            .map_err(agent_reply),
+        Call::List { path } => agent.list(&path).map_err(agent_reply).map(|mut entries| {
             let total = entries.len();
             entries.truncate(MAX_LIST_ENTRIES);
-            Ok(Reply::ok(json!({
+            Reply::ok(json!({
                 "entries": entries,
                 "count": total,
                 "truncated": total > MAX_LIST_ENTRIES,
-            })))
+            }))
         }),
-        ("PUT", "/vm/files/dir") => path_of(request).and_then(|path| {
-            let mode = mode(request, 0o755)?;
-            let parents = flag(request, "parents", false)?;
-            agent
-                .mkdir(&path, mode, parents)
-                .map(|()| Reply::no_content())
-                .map_err(agent_reply)
-        }),
-        ("GET", "/vm/agent") => agent_status(&agent, cx),
-        _ => Err(Reply::error(404, format!("there is no {}", request.path))),
+        Call::Mkdir {
+            path,
+            mode,
+            parents,
+        } => agent
+            .mkdir(&path, mode, parents)
+            .map(|()| Reply::no_content())
+            .map_err(agent_reply),
+        Call::Agent => agent_status(&agent, cx),
     };
     match result {
         Ok(reply) | Err(reply) => reply.into(),
@@ -265,10 +332,17 @@ fn agent_status(agent: &Agent, cx: &Context) -> Result<Reply, Reply> {
 
 /// An exec request as the control socket takes it.
 #[derive(Debug)]
-struct HttpExec {
+pub struct HttpExec {
     request: ExecRequest,
     stdin: Option<Vec<u8>>,
     stream: bool,
+}
+
+/// Check an exec body as `POST /vm/exec` does, acting on nothing: the entry point of the exec
+/// body's fuzz target (`fuzz/`). True if the body is a valid exec request.
+#[doc(hidden)]
+pub fn check_exec_body(body: &[u8]) -> bool {
+    parse_exec(body).is_ok()
 }
 
 fn parse_exec(body: &[u8]) -> Result<HttpExec, String> {
@@ -305,11 +379,7 @@ fn parse_exec(body: &[u8]) -> Result<HttpExec, String> {
     })
 }
 
-fn exec(request: &Request, stream: &UnixStream, agent: &Agent, cx: &Context) -> Outcome {
-    let exec = match parse_exec(&request.body) {
-        Ok(exec) => exec,
-        Err(message) => return Reply::error(400, message).into(),
-    };
+fn run_exec(exec: HttpExec, stream: &UnixStream, agent: &Agent, cx: &Context) -> Outcome {
     // Connect first, so that an agent that is not up is an ordinary error reply.
     let mut client = match agent.connect() {
         Ok(client) => client,
@@ -370,11 +440,14 @@ fn watch_hangup<T>(client: &UnixStream, agent: Option<UnixStream>, f: impl FnOnc
     let Ok((done, woken)) = UnixStream::pair() else {
         return f();
     };
+    // Under this connection thread's seccomp filter, which it inherits.
+    let label = crate::seccomp::Label::current();
     std::thread::scope(|scope| {
         let watcher = std::thread::Builder::new()
             .name("api-exec-watch".into())
             .stack_size(crate::HELPER_THREAD_STACK)
             .spawn_scoped(scope, || {
+                label.apply();
                 use nix::poll::{poll, PollFd, PollFlags};
                 // Bits nix does not know (None) count as fired: never a spin on them.
                 let fired = |fd: &PollFd| fd.revents().is_none_or(|r| !r.is_empty());
@@ -603,15 +676,12 @@ impl Read for Body<'_> {
 
 fn write_file(
     request: &Request,
+    path: &str,
+    options: &WriteFileOptions,
     stream: &UnixStream,
     agent: &Agent,
     cx: &Context,
 ) -> Result<Reply, Reply> {
-    let path = path_of(request)?;
-    let options = WriteFileOptions::default()
-        .mode(mode(request, 0o644)?)
-        .atomic(flag(request, "atomic", true)?)
-        .mkdirs(flag(request, "mkdirs", false)?);
     let len = request
         .streamed_body_len
         .unwrap_or(request.body.len() as u64);
@@ -621,17 +691,11 @@ fn write_file(
         stream,
         left: len,
     };
-    let bytes = agent
-        .write_file(&path, &options, body)
-        .map_err(agent_reply)?;
+    let bytes = agent.write_file(path, options, body).map_err(agent_reply)?;
     Ok(Reply::ok(json!({ "bytes": bytes })))
 }
 
-fn read_file(request: &Request, stream: &UnixStream, agent: &Agent) -> Outcome {
-    let path = match path_of(request) {
-        Ok(path) => path,
-        Err(reply) => return reply.into(),
-    };
+fn read_file(path: &str, stream: &UnixStream, agent: &Agent) -> Outcome {
     // Start the read before answering, so that a missing file is a 404, not a cut body.
     let mut client = match agent.connect() {
         Ok(client) => client,
@@ -642,7 +706,7 @@ fn read_file(request: &Request, stream: &UnixStream, agent: &Agent) -> Outcome {
     let mut head_sent: Option<Chunked> = None;
     // Buffer the first chunk: an error before any data is still a proper reply.
     let result = client.read_file(
-        &path,
+        path,
         Forward {
             first: &mut first,
             body: &mut head_sent,

@@ -43,6 +43,7 @@ use std::path::PathBuf;
 use std::sync::mpsc::Sender;
 
 pub use client::{request, request_with_timeout};
+pub use guest::check_exec_body;
 pub use server::{read_and_route, routes, ApiServer, SocketClaim, Timeouts, MAX_CONNECTIONS};
 pub use socket::MAX_SOCKET_PATH;
 

@@ -154,11 +154,16 @@ impl ApiServer {
         };
         let (wake, woken) = UnixStream::pair().map_err(ApiError::Thread)?;
         listener.set_nonblocking(true).map_err(ApiError::Thread)?;
-        let thread = std::thread::Builder::new()
+        // The accept thread and every connection thread it starts run under the control
+        // socket's seccomp filter: they parse what clients send and relay the guest agent's
+        // frames, and act on the VM only through the controller.
+        let builder = std::thread::Builder::new()
             .name("api".into())
-            .stack_size(crate::HELPER_THREAD_STACK)
-            .spawn(move || serve(listener, woken, &shared, &events, wrap, timeouts))
-            .map_err(ApiError::Thread)?;
+            .stack_size(crate::HELPER_THREAD_STACK);
+        let thread = crate::seccomp::spawn(builder, crate::seccomp::ThreadKind::Api, move || {
+            serve(listener, woken, &shared, &events, wrap, timeouts)
+        })
+        .map_err(ApiError::Thread)?;
         server.wake = Some(wake);
         server.thread = Some(thread);
         Ok(server)
@@ -398,10 +403,13 @@ fn spawn_connection<E: Send + 'static>(
     };
     let thread_shared = Arc::clone(shared);
     let events = events.clone();
+    // Under the accept thread's seccomp filter, which it inherits.
+    let label = crate::seccomp::Label::current();
     let spawned = std::thread::Builder::new()
         .name("api-conn".into())
         .stack_size(crate::HELPER_THREAD_STACK)
         .spawn(move || {
+            label.apply();
             serve_connection(stream, registered, &thread_shared, &events, wrap, timeouts);
             let mut active = lock(&thread_shared.active);
             *active -= 1;
@@ -722,6 +730,7 @@ fn clip_json(value: &Value) -> String {
 #[doc(hidden)]
 pub fn read_and_route(stream: &UnixStream, idle: Duration, total: Duration) -> bool {
     match http::read_request(stream, idle, total, guest::streams_body) {
+        Ok(request) if guest::serves(&request.path) => guest::parse(&request).is_ok(),
         Ok(request) => route(&request).is_ok(),
         Err(_) => false,
     }
