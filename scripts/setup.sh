@@ -83,11 +83,11 @@ say "building mayfly (release)"
 cargo build --release --workspace --bins --quiet
 
 # The test rig's machine, needed where the host's KVM cannot run a Linux guest.
-if [ "$(target/release/mayfly-rig where)" = rig ]; then
+if [ "$(target/x86_64-unknown-linux-gnu/release/mayfly-rig where)" = rig ]; then
     guest-kernel/build.sh rig-l1 >/dev/null
     rootfs/build.sh rig-l1 >/dev/null
     tests/rig/qemu/build.sh >/dev/null
-    say "ready: target/release/mayfly (this host's KVM cannot run Linux: guests run in the test rig)"
+    say "ready: target/x86_64-unknown-linux-gnu/release/mayfly (this host's KVM cannot run Linux: guests run in the test rig)"
 else
-    say "ready: target/release/mayfly"
+    say "ready: target/x86_64-unknown-linux-gnu/release/mayfly"
 fi

@@ -26,25 +26,42 @@ const WAIT_OFFSET: u64 = 16;
 /// threads (perf, in the fork benchmark).
 pub const WAIT_LIMIT: Duration = Duration::from_secs(1);
 
-/// Ends the probe's waits early: the VMM wakes it before it pauses the vCPUs.
+/// Ends the probe's waits early: the VMM holds it (every wait returns at once) while it pauses
+/// or stops the vCPUs, so a vCPU that comes back from one wait and goes straight into the next
+/// before its pause request arrives does not sleep out the next one (a fork's pause took a
+/// whole [`WAIT_LIMIT`] now and then that way).
 #[derive(Default)]
 pub struct ProbeWaker {
-    wakeups: Mutex<u64>,
+    state: Mutex<WakerState>,
     woken: Condvar,
 }
 
+#[derive(Default)]
+struct WakerState {
+    wakeups: u64,
+    holding: bool,
+}
+
 impl ProbeWaker {
-    pub fn wake(&self) {
-        *self.wakeups.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+    /// End every wait now and return from those that begin, until [`ProbeWaker::release`].
+    pub fn hold(&self) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.wakeups += 1;
+        state.holding = true;
         self.woken.notify_all();
     }
 
+    /// Let waits last again (the vCPUs are paused, or resume).
+    pub fn release(&self) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).holding = false;
+    }
+
     fn wait(&self) {
-        let guard = self.wakeups.lock().unwrap_or_else(|p| p.into_inner());
-        let seen = *guard;
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let seen = guard.wakeups;
         let _ = self
             .woken
-            .wait_timeout_while(guard, WAIT_LIMIT, |n| *n == seen);
+            .wait_timeout_while(guard, WAIT_LIMIT, |s| s.wakeups == seen && !s.holding);
     }
 }
 
@@ -149,10 +166,21 @@ mod tests {
             let start = std::time::Instant::now();
             let mut data = [0u8; 8];
             probe.read(WAIT_OFFSET, &mut data);
-            start.elapsed()
+            (probe, start.elapsed())
         });
         std::thread::sleep(Duration::from_millis(10));
-        waker.wake();
-        assert!(thread.join().unwrap() < WAIT_LIMIT);
+        waker.hold();
+        let (probe, waited) = thread.join().unwrap();
+        assert!(waited < WAIT_LIMIT);
+        // Held: a wait that begins now returns at once (the vCPU is about to pause) ...
+        let mut probe = probe;
+        let start = std::time::Instant::now();
+        probe.read(WAIT_OFFSET, &mut data);
+        assert!(start.elapsed() < WAIT_LIMIT);
+        // ... until released.
+        waker.release();
+        let start = std::time::Instant::now();
+        probe.read(WAIT_OFFSET, &mut data);
+        assert!(start.elapsed() >= WAIT_LIMIT);
     }
 }

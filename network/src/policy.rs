@@ -315,6 +315,21 @@ mod tests {
         s.parse().unwrap()
     }
 
+    /// Names resolve in mayfly's static binaries too (glibc's resolver loads its NSS
+    /// modules at run time): `localhost` comes from /etc/hosts (no query leaves the host).
+    #[test]
+    fn a_name_in_an_allowlist_is_resolved_and_pinned() {
+        let p: Policy = "allow=localhost:8080".parse().unwrap();
+        let resolved = p.resolve(None).unwrap();
+        assert_eq!(
+            resolved.services,
+            vec![
+                (net("127.0.0.1/32"), TCP, 8080),
+                (net("127.0.0.1/32"), UDP, 8080)
+            ]
+        );
+    }
+
     #[test]
     fn policies_parse() {
         assert_eq!("none".parse::<Policy>().unwrap(), Policy::None);

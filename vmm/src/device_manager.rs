@@ -569,7 +569,6 @@ impl DeviceManager {
 
     /// Stop every device thread and the console's helpers (the vCPUs are paused first).
     pub fn pause(&self) -> Result<(), DeviceError> {
-        self.probe_waker.wake();
         for slot in &self.virtio {
             if !slot.thread.pause() {
                 return Err(DeviceError::Stuck(slot.thread.name().to_string()));

@@ -53,9 +53,12 @@ impl Machine {
 
     /// Stop the vCPUs, then the device threads.
     pub fn pause(&mut self) -> Result<(), PauseError> {
-        // The probe guest may be parked in a wait the vCPU must come out of first.
-        self.devices.probe_waker.wake();
-        self.vm.pause()?;
+        // The probe guest may be parked in a wait the vCPU must come out of first, and must
+        // not go into the next one before its pause request arrives.
+        self.devices.probe_waker.hold();
+        let paused = self.vm.pause();
+        self.devices.probe_waker.release();
+        paused?;
         if let Err(err) = self.devices.pause() {
             self.devices.resume();
             self.vm.resume();
@@ -72,7 +75,7 @@ impl Machine {
 
     /// Stop everything for good (the VM is ending).
     pub fn stop(&mut self) {
-        self.devices.probe_waker.wake();
+        self.devices.probe_waker.hold();
         self.vm.stop_vcpus();
     }
 }

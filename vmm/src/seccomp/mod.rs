@@ -26,7 +26,7 @@
 //! `off` installs none. Enforcing became the default once the whole guest suite passed with
 //! it: the enforcing runs found, besides FIONBIO, TUNSETOFFLOAD and timerfd_settime, glibc's
 //! own calls on a filtered thread's behalf: the setxid broadcast when the jail drops
-//! credentials, and malloc opening /proc/sys/vm/overcommit_memory (see [`refusals`]).
+//! credentials, and malloc opening /proc/sys/vm/overcommit_memory (see [`policy`]).
 //!
 //! Arguments are checked where it matters: a vCPU thread may only issue KVM ioctls (type
 //! 0xAE), FIONBIO and TUNSETOFFLOAD; the lazy-memory handler userfaultfd's ioctls (type 0xAA)
@@ -36,13 +36,13 @@
 //! processes: `clone` only with CLONE_THREAD, and `clone3` (whose flags a filter cannot read)
 //! answers ENOSYS, on which glibc falls back to `clone`.
 
-use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
-use seccompiler::{
-    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
-    SeccompRule, TargetArch,
-};
+use seccompiler::{BpfProgram, SeccompAction};
+
+use bpf::Policy;
+
+mod bpf;
 
 /// Which filter a thread gets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,8 +163,8 @@ const COMMON: &[libc::c_long] = &[
     libc::SYS_tgkill,
     libc::SYS_getrandom,
     // glibc's malloc counts the CPUs once, when a thread's first allocation finds eight
-    // arenas made already: from /sys and /proc files (opens, refused with EACCES by
-    // [`no_open`]) and then sched_getaffinity, on whichever thread allocates then.
+    // arenas made already: from /sys and /proc files (opens, refused with EACCES: see
+    // [`policy`]) and then sched_getaffinity, on whichever thread allocates then.
     libc::SYS_sched_getaffinity,
     libc::SYS_exit,
     libc::SYS_exit_group,
@@ -223,7 +223,7 @@ const VSOCK: &[libc::c_long] = &[libc::SYS_unlink, libc::SYS_unlinkat];
 
 /// A thread that starts threads (the control socket's): what glibc's pthread_create and a new
 /// thread's start and end make, besides memory and signals. `clone` itself is added with its
-/// flags checked, and `clone3` is refused with ENOSYS by [`refusals`].
+/// flags checked, and `clone3` is refused with ENOSYS (see [`policy`]).
 const THREADS: &[libc::c_long] = &[libc::SYS_set_robust_list, libc::SYS_rseq];
 
 /// The lazy-memory handler: the memory file read into its buffer; whether a page is in
@@ -231,13 +231,18 @@ const THREADS: &[libc::c_long] = &[libc::SYS_set_robust_list, libc::SYS_rseq];
 const LAZY: &[libc::c_long] = &[libc::SYS_pread64, libc::SYS_mincore];
 
 /// ioctl's request number's type byte for KVM (`KVMIO`).
-const KVMIO: u64 = 0xAE;
+const KVMIO: u32 = 0xAE;
 /// ioctl's request number's type byte for userfaultfd (`UFFDIO`).
-const UFFDIO: u64 = 0xAA;
+const UFFDIO: u32 = 0xAA;
 
-fn build(kind: ThreadKind, mode: Mode) -> Result<BpfProgram, SeccompError> {
-    let fail = |e: seccompiler::BackendError| SeccompError::Build(kind.name(), e.to_string());
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
+/// A constant as the filter compares it: a 32-bit argument.
+fn word(value: impl TryInto<u32>) -> u32 {
+    value.try_into().unwrap_or(u32::MAX)
+}
+
+/// What `kind`'s filter allows and refuses.
+fn policy(kind: ThreadKind, mode: Mode) -> Policy {
+    use bpf::{Cond, Guarded};
     let extra: &[&[libc::c_long]] = match kind {
         ThreadKind::Vcpu | ThreadKind::Device | ThreadKind::Console => &[],
         ThreadKind::BlockDevice => &[BLOCK],
@@ -245,136 +250,91 @@ fn build(kind: ThreadKind, mode: Mode) -> Result<BpfProgram, SeccompError> {
         ThreadKind::Api => &[SOCKETS, THREADS],
         ThreadKind::LazyMemory => &[LAZY],
     };
-    for &call in COMMON.iter().chain(extra.iter().copied().flatten()) {
-        rules.insert(call, Vec::new());
-    }
-    // Opening files is refused by the second filter ([`refusals`]) with EACCES, not here.
-    rules.insert(libc::SYS_openat, Vec::new());
-    rules.insert(libc::SYS_open, Vec::new());
-    // The ioctl request (the second argument) or another argument equal to `value`.
-    let argument_is = |index: u8, value: u64| {
-        SeccompCondition::new(index, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, value)
-            .and_then(|c| SeccompRule::new(vec![c]))
-    };
-    let request = |number: libc::c_ulong| {
-        argument_is(1, u64::from(u32::try_from(number).unwrap_or(u32::MAX)))
-    };
-    // Any ioctl of one type: the request number's type byte is its bits 8-15.
-    let ioctl_type = |kind: u64| {
-        SeccompCondition::new(
-            1,
-            SeccompCmpArgLen::Dword,
-            SeccompCmpOp::MaskedEq(0xff00),
-            kind << 8,
-        )
-        .and_then(|c| SeccompRule::new(vec![c]))
-    };
-    // std's set_nonblocking is ioctl(FIONBIO): the vsock device sets every host connection
-    // non-blocking as it makes or accepts it, the control socket its listener's.
-    let fionbio = || request(libc::FIONBIO);
-    // The net device sets its tap's offloads to what the guest's driver accepted, when the
-    // driver starts it: on the vCPU thread that wrote DRIVER_OK, or on its own.
-    let tunsetoffload = || request(libc::TUNSETOFFLOAD);
+    let mut allow: Vec<i64> = COMMON
+        .iter()
+        .chain(extra.iter().copied().flatten())
+        .copied()
+        .collect();
     // The jail drops the VMM's credentials after its threads have started, and glibc makes
     // every thread of the process repeat setgroups/setresgid/setresuid (its setxid
     // broadcast, so the whole process changes at once): every filter lets those through.
     // They cannot raise a thread's rights: before the drop the thread is root already, and
     // after it an unprivileged uid can only take ids it holds. setgroups only as the jail
     // calls it, emptying the list.
-    rules.insert(libc::SYS_setresuid, Vec::new());
-    rules.insert(libc::SYS_setresgid, Vec::new());
-    rules.insert(
-        libc::SYS_setgroups,
-        vec![
-            SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::Eq, 0)
-                .and_then(|c| SeccompRule::new(vec![c]))
-                .map_err(fail)?,
-        ],
-    );
+    allow.extend([libc::SYS_setresuid, libc::SYS_setresgid]);
+    let mut guarded = vec![Guarded {
+        call: libc::SYS_setgroups,
+        rules: vec![vec![Cond::eq64(0, 0)]],
+    }];
+    // The ioctl request is the second argument. std's set_nonblocking is ioctl(FIONBIO): the
+    // vsock device sets every host connection non-blocking as it makes or accepts it, the
+    // control socket its listener's. The net device sets its tap's offloads to what the
+    // guest's driver accepted (TUNSETOFFLOAD), when the driver starts it: on the vCPU thread
+    // that wrote DRIVER_OK, or on its own. An ioctl type is the request number's bits 8-15.
+    let request = |number: libc::c_ulong| vec![Cond::eq32(1, word(number))];
+    let of_type = |kind: u32| vec![Cond::masked32(1, 0xff00, kind << 8)];
     let ioctls = match kind {
         ThreadKind::Vcpu => vec![
-            ioctl_type(KVMIO).map_err(fail)?,
-            fionbio().map_err(fail)?,
-            tunsetoffload().map_err(fail)?,
+            of_type(KVMIO),
+            request(libc::FIONBIO),
+            request(libc::TUNSETOFFLOAD),
         ],
-        ThreadKind::VsockDevice | ThreadKind::Api => vec![fionbio().map_err(fail)?],
-        ThreadKind::Device => vec![tunsetoffload().map_err(fail)?],
-        ThreadKind::LazyMemory => vec![ioctl_type(UFFDIO).map_err(fail)?],
+        ThreadKind::VsockDevice | ThreadKind::Api => vec![request(libc::FIONBIO)],
+        ThreadKind::Device => vec![request(libc::TUNSETOFFLOAD)],
+        ThreadKind::LazyMemory => vec![of_type(UFFDIO)],
         ThreadKind::BlockDevice | ThreadKind::Console => Vec::new(),
     };
     if !ioctls.is_empty() {
-        rules.insert(libc::SYS_ioctl, ioctls);
-    }
-    if kind == ThreadKind::Api {
-        // Threads, never processes: clone with CLONE_THREAD set (glibc's pthread_create, once
-        // clone3 got ENOSYS); a fork from here would be a process outside every filter's
-        // reach but this one, able to exec. The flags are clone's first argument on x86-64.
-        let thread = u64::from(u32::try_from(libc::CLONE_THREAD).unwrap_or(u32::MAX));
-        rules.insert(
-            libc::SYS_clone,
-            vec![SeccompCondition::new(
-                0,
-                SeccompCmpArgLen::Dword,
-                SeccompCmpOp::MaskedEq(thread),
-                thread,
-            )
-            .and_then(|c| SeccompRule::new(vec![c]))
-            .map_err(fail)?],
-        );
-        // Refused with ENOSYS by [`refusals`]; allowed here so that filter's answer stands.
-        rules.insert(libc::SYS_clone3, Vec::new());
-        // std names a new thread with prctl(PR_SET_NAME).
-        rules.insert(
-            libc::SYS_prctl,
-            vec![argument_is(0, u64::from(libc::PR_SET_NAME.unsigned_abs())).map_err(fail)?],
+        // First: a vCPU thread's every exit is an ioctl (KVM_RUN).
+        guarded.insert(
+            0,
+            Guarded {
+                call: libc::SYS_ioctl,
+                rules: ioctls,
+            },
         );
     }
-    let mismatch = match mode {
-        Mode::Enforce | Mode::Off => SeccompAction::Trap,
-        Mode::Log => SeccompAction::Log,
+    // Refused with an error, not the end of the VMM: glibc's malloc opens
+    // /proc/sys/vm/overcommit_memory the first time it shrinks a thread arena's heap, on
+    // whichever thread frees memory then (the enforcing guest suite lost a vsock device thread
+    // to it, after a 64 MiB transfer), and takes a failed open as "do not shrink by
+    // remapping". No filtered thread opens a file otherwise. Logged instead with
+    // `MAYFLY_SECCOMP=log`.
+    let refusal = |errno: i32| match mode {
+        Mode::Log => u32::from(SeccompAction::Log),
+        Mode::Enforce | Mode::Off => u32::from(SeccompAction::Errno(errno.unsigned_abs())),
     };
-    let filter = SeccompFilter::new(rules, mismatch, SeccompAction::Allow, TargetArch::x86_64)
-        .map_err(fail)?;
-    BpfProgram::try_from(filter).map_err(fail)
-}
-
-/// The filters stacked on top of every thread's own: calls that fail with an error rather than
-/// end the VMM. Stacked filters take the strictest answer, so these calls get these filters'
-/// answer (the thread's own allows them) and every other call the thread's own.
-/// - open and openat fail with EACCES (logged instead, with `MAYFLY_SECCOMP=log`): glibc's
-///   malloc opens /proc/sys/vm/overcommit_memory the first time it shrinks a thread arena's
-///   heap, on whichever thread frees memory then (the enforcing guest suite lost a vsock device
-///   thread to it, after a 64 MiB transfer), and takes a failed open as "do not shrink by
-///   remapping". No filtered thread opens a file otherwise.
-/// - clone3 fails with ENOSYS (for a thread that starts threads): its flags sit in memory a
-///   filter cannot read, and glibc then falls back to clone, whose flags the thread's own
-///   filter checks.
-fn refusals(kind: ThreadKind, mode: Mode) -> Result<Vec<&'static BpfProgram>, SeccompError> {
-    static PROGRAMS: OnceLock<Result<[BpfProgram; 2], String>> = OnceLock::new();
-    let programs = PROGRAMS
-        .get_or_init(|| {
-            let refuse = |calls: &[libc::c_long], errno: i32| {
-                let action = match mode {
-                    Mode::Log => SeccompAction::Log,
-                    Mode::Enforce | Mode::Off => SeccompAction::Errno(errno.unsigned_abs()),
-                };
-                let rules = calls.iter().map(|&call| (call, Vec::new())).collect();
-                SeccompFilter::new(rules, SeccompAction::Allow, action, TargetArch::x86_64)
-                    .and_then(BpfProgram::try_from)
-                    .map_err(|e| e.to_string())
-            };
-            Ok([
-                refuse(&[libc::SYS_openat, libc::SYS_open], libc::EACCES)?,
-                refuse(&[libc::SYS_clone3], libc::ENOSYS)?,
-            ])
-        })
-        .as_ref()
-        .map_err(|e| SeccompError::Build("refusals", e.clone()))?;
-    let [no_open, no_clone3] = programs;
-    Ok(match kind {
-        ThreadKind::Api => vec![no_open, no_clone3],
-        _ => vec![no_open],
-    })
+    let mut refuse = vec![
+        (libc::SYS_openat, refusal(libc::EACCES)),
+        (libc::SYS_open, refusal(libc::EACCES)),
+    ];
+    if kind == ThreadKind::Api {
+        // Threads, never processes: clone with CLONE_THREAD set (glibc's pthread_create);
+        // a fork from here would be a process outside every filter's reach but this one,
+        // able to exec. The flags are clone's first argument on x86-64. clone3's flags sit in
+        // memory a filter cannot read: it answers ENOSYS, on which glibc falls back to clone.
+        let thread = word(libc::CLONE_THREAD);
+        guarded.push(Guarded {
+            call: libc::SYS_clone,
+            rules: vec![vec![Cond::masked32(0, thread, thread)]],
+        });
+        refuse.push((libc::SYS_clone3, refusal(libc::ENOSYS)));
+        // std names a new thread with prctl(PR_SET_NAME).
+        guarded.push(Guarded {
+            call: libc::SYS_prctl,
+            rules: vec![vec![Cond::eq32(0, word(libc::PR_SET_NAME))]],
+        });
+    }
+    Policy {
+        allow,
+        guarded,
+        refuse,
+        matched: u32::from(SeccompAction::Allow),
+        mismatch: u32::from(match mode {
+            Mode::Enforce | Mode::Off => SeccompAction::Trap,
+            Mode::Log => SeccompAction::Log,
+        }),
+    }
 }
 
 /// The filters, compiled once per process (a fork's clones inherit them compiled: see
@@ -384,7 +344,7 @@ fn program(kind: ThreadKind, mode: Mode) -> Result<&'static BpfProgram, SeccompE
     let all = PROGRAMS.get_or_init(|| {
         ThreadKind::ALL
             .iter()
-            .map(|&k| build(k, mode).map_err(|e| e.to_string()))
+            .map(|&k| bpf::compile(&policy(k, mode)))
             .collect()
     });
     let all = all
@@ -401,9 +361,7 @@ pub fn prepare() -> Result<(), SeccompError> {
     if mode == Mode::Off {
         return Ok(());
     }
-    program(ThreadKind::Vcpu, mode)?;
-    refusals(ThreadKind::Api, mode)?;
-    Ok(())
+    program(ThreadKind::Vcpu, mode).map(drop)
 }
 
 thread_local! {
@@ -421,12 +379,8 @@ pub fn install(kind: ThreadKind) -> Result<(), SeccompError> {
     }
     install_reporter().map_err(|e| SeccompError::Install(kind.name(), e.to_string()))?;
     let program = program(kind, mode)?;
-    let refusals = refusals(kind, mode)?;
     KIND.with(|k| k.set(u8::try_from(kind.index() + 1).unwrap_or(0)));
-    refusals
-        .into_iter()
-        .chain(std::iter::once(program))
-        .try_for_each(|program| seccompiler::apply_filter(program))
+    seccompiler::apply_filter(program)
         .map_err(|e| SeccompError::Install(kind.name(), e.to_string()))
 }
 
