@@ -165,6 +165,54 @@ fn clones_run_as_processes_of_their_own_with_their_own_names_and_generations() {
     parent.wait_exit(TIMEOUT);
 }
 
+/// A fork's clones are held until every clone of the fork is ready, then all go at once: no
+/// clone's guest runs (its probe reports that it resumed) before the last clone was ready,
+/// and all of them run once the fork has answered.
+#[test]
+fn clones_are_held_until_every_clone_is_ready_then_all_run() {
+    let dir = TestDir::new("fork-held");
+    let sock = dir.join("p.sock");
+    let mut parent = probe::boot(64, &sock, "p");
+    let asked = mayfly_vmm::trace::monotonic_ns();
+    let (status, body) = request(
+        &sock,
+        "PUT",
+        "/vm/fork",
+        Some(serde_json::json!({ "count": 8 })),
+    );
+    assert_eq!(status, 200, "{body}");
+    let clones = body["clones"].as_array().unwrap();
+    // The fork's clock starts after `asked`: the last clone was ready no earlier than this.
+    let last_ready_ms = clones
+        .iter()
+        .map(|c| c["ready_ms"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    let last_ready_ns = asked + (last_ready_ms * 1e6) as u64;
+    for clone in clones {
+        let name = clone["name"].as_str().unwrap();
+        let log = PathBuf::from(clone["console_log"].as_str().unwrap());
+        resumed_generation(&log);
+        let text = std::fs::read_to_string(&log).unwrap();
+        let (_, _, resumed_ns) = probe::reports(&text)
+            .into_iter()
+            .find(|r| r.0 == "resumed")
+            .unwrap();
+        assert!(
+            resumed_ns >= last_ready_ns,
+            "{name} ran {:.3} ms before the fork's last clone was ready",
+            (last_ready_ns - resumed_ns) as f64 / 1e6
+        );
+        let (status, vm) = request(&dir.join(&format!("{name}.sock")), "GET", "/vm", None);
+        assert_eq!(status, 200, "{vm}");
+        assert_eq!(vm["state"], "running", "{vm}");
+    }
+    for clone in clones {
+        kill(clone["pid"].as_u64().unwrap() as u32);
+    }
+    parent.signal(libc::SIGTERM);
+    parent.wait_exit(TIMEOUT);
+}
+
 #[test]
 fn a_lazy_restore_still_loading_its_memory_can_be_forked() {
     let dir = TestDir::new("fork-lazy");

@@ -471,7 +471,7 @@ impl RefreshStatus {
             .unwrap_or(RefreshState::Idle)
     }
 
-    fn set(&self, state: RefreshState) {
+    pub(crate) fn set(&self, state: RefreshState) {
         *self.state.lock().unwrap_or_else(|p| p.into_inner()) = Some(state);
         self.changed.notify_all();
     }

@@ -48,6 +48,9 @@ pub struct Controller {
     refresh: Arc<RefreshStatus>,
     /// A refresh to start once a paused VM resumes (its agent cannot answer before).
     pending_refresh: Option<(RefreshEvent, Duration)>,
+    /// A clone held paused until its fork has every clone running ([`VmEvent::ForkEnded`]
+    /// lets it go, unless its user paused or resumed it meanwhile).
+    held_for_fork: bool,
 }
 
 impl Controller {
@@ -60,6 +63,7 @@ impl Controller {
             vsock_claim: None,
             refresh: Arc::default(),
             pending_refresh: None,
+            held_for_fork: false,
         }
     }
 
@@ -72,13 +76,13 @@ impl Controller {
         if self.machine.info.probe {
             return;
         }
+        let Some((Some(vsock), _)) = self.machine.devices.vsock() else {
+            return;
+        };
         if self.machine.paused() {
             self.pending_refresh = Some((event, wait));
             return;
         }
-        let Some((Some(vsock), _)) = self.machine.devices.vsock() else {
-            return;
-        };
         let identity = self.machine.info.identity.clone();
         // A clone's NIC has a MAC of its own, which its guest takes on now (a restored or
         // booted VM's guest has it already: setting it again changes nothing).
@@ -87,6 +91,26 @@ impl Controller {
             crate::agent::spawn_refresh(&vsock, event, identity, mac, wait, &self.refresh)
         {
             eprintln!("mayfly: cannot start the guest refresh: {e}");
+        }
+    }
+
+    /// Hold this restored, paused clone until its fork ends ([`VmEvent::ForkEnded`]). Until
+    /// then its state reads "starting", and requests into its guest wait for it to run and be
+    /// refreshed rather than being refused as paused.
+    pub fn hold_for_fork(&mut self) {
+        self.held_for_fork = true;
+        if self.pending_refresh.is_some() {
+            self.refresh.set(crate::agent::RefreshState::Running);
+        }
+    }
+
+    /// Resume a paused VM, and then tell its guest what happened while it was paused (a
+    /// refresh that had to wait).
+    fn resume(&mut self) {
+        self.held_for_fork = false;
+        self.machine.resume();
+        if let Some((event, wait)) = self.pending_refresh.take() {
+            self.refresh_guest(event, wait);
         }
     }
 
@@ -129,6 +153,12 @@ impl Controller {
                 }
                 VmEvent::Signal(sig) => break VmExit::Signal(sig),
                 VmEvent::MemoryFailed(reason) => break VmExit::Failed(reason),
+                VmEvent::ForkEnded => {
+                    if self.held_for_fork && self.machine.paused() {
+                        self.resume();
+                    }
+                    self.held_for_fork = false;
+                }
                 VmEvent::VcpuFailed {
                     index,
                     reason,
@@ -160,6 +190,11 @@ impl Controller {
         let paused = self.machine.paused();
         match action {
             Action::Describe => (Reply::ok(self.describe()), None),
+            // A clone held until its fork ends: its user's pause keeps it paused past that.
+            Action::Pause if paused && self.held_for_fork => {
+                self.held_for_fork = false;
+                (Reply::no_content(), None)
+            }
             Action::Pause if paused => (Reply::error(409, "the VM is already paused"), None),
             Action::Pause => match self.machine.pause() {
                 Ok(()) => (Reply::no_content(), None),
@@ -167,10 +202,7 @@ impl Controller {
             },
             Action::Resume if !paused => (Reply::error(409, "the VM is not paused"), None),
             Action::Resume => {
-                self.machine.resume();
-                if let Some((event, wait)) = self.pending_refresh.take() {
-                    self.refresh_guest(event, wait);
-                }
+                self.resume();
                 (Reply::no_content(), None)
             }
             Action::Snapshot { .. } if !paused => (
@@ -264,7 +296,12 @@ impl Controller {
             "clone_index": id.index,
             "parent": id.parent,
             "generation": id.generation,
-            "state": if m.paused() { "paused" } else { "running" },
+            // A clone restored and held until its fork has every clone ready: it runs then.
+            "state": match (m.paused(), self.held_for_fork) {
+                (true, true) => "starting",
+                (true, false) => "paused",
+                (false, _) => "running",
+            },
             "origin": m.info.origin,
             "memory_mode": m.ram.kind.name(),
             "vcpus": m.info.vcpu_count,

@@ -20,6 +20,9 @@ pub enum VmEvent {
     MemoryFailed(String),
     /// A request from the control socket.
     Api(ApiCall),
+    /// A clone's fork has every clone running: a clone held paused until then goes (see
+    /// [`crate::zygote::ForkEnd`]).
+    ForkEnded,
 }
 
 /// How a VM ended, and the process exit status that says so.

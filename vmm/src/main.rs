@@ -23,6 +23,7 @@ use mayfly_vmm::disks::DiskSpec;
 use mayfly_vmm::event::{VmEvent, VmExit};
 use mayfly_vmm::kernel::Image;
 use mayfly_vmm::restore::{self, Instance, MemoryMode, RestoreConfig, SnapshotSource};
+use mayfly_vmm::seccomp::ThreadKind;
 use mayfly_vmm::zygote::{self, Reporter};
 use mayfly_vmm::{api, boot, default_guest, identity, trace, Error};
 
@@ -656,7 +657,11 @@ fn start_clone(prepared: restore::Prepared, instance: Instance, report: Reporter
     with_stop_signals(Some(report), |signals| {
         serve(&console, signals, || {
             let claims = restore::Claims::take(&instance).map_err(Error::Restore)?;
-            restore::start(prepared, instance, claims, started).map_err(Error::Restore)
+            let mut controller =
+                restore::start(prepared, instance, claims, started).map_err(Error::Restore)?;
+            // Restored paused: it runs once its fork has every clone ready (see ForkEnd).
+            controller.hold_for_fork();
+            Ok(controller)
         })
     });
     std::process::exit(1)
@@ -863,11 +868,24 @@ fn serve(
     };
     trace::event("vcpus_started");
     if let Some(ready) = ready {
-        if !ready.ready() {
+        let Some(fork_end) = ready.ready() else {
             // The fork that made this clone cannot hear of it (it has failed or gone), so
             // nobody would know this VM runs.
             eprintln!("mayfly: the fork that started this clone is gone; the clone stops");
             std::process::exit(1);
+        };
+        // Held until the fork has every clone ready; then it goes.
+        let events = controller.event_sender.clone();
+        let builder = std::thread::Builder::new()
+            .name("fork-end".into())
+            .stack_size(mayfly_vmm::HELPER_THREAD_STACK);
+        let waiting = mayfly_vmm::seccomp::spawn(builder, ThreadKind::ForkEnd, move || {
+            fork_end.wait();
+            let _ = events.send(VmEvent::ForkEnded);
+        });
+        if let Err(err) = waiting {
+            eprintln!("mayfly: cannot wait for the fork's end ({err}); the clone runs now");
+            let _ = controller.event_sender.send(VmEvent::ForkEnded);
         }
     }
     signals.forward_to(controller.event_sender.clone());

@@ -59,13 +59,15 @@ pub enum ThreadKind {
     Api,
     /// The console's input: reads stdin or its FIFO, queues the bytes in the UART.
     Console,
+    /// A clone's wait for its fork to end (a poll, then an event to the controller).
+    ForkEnd,
     /// The lazy-memory handler: the memory file read, userfaultfd's ioctls.
     LazyMemory,
 }
 
 impl ThreadKind {
     /// Every kind, in the order of [`ThreadKind::index`].
-    const ALL: [ThreadKind; 7] = [
+    const ALL: [ThreadKind; 8] = [
         ThreadKind::Vcpu,
         ThreadKind::Device,
         ThreadKind::BlockDevice,
@@ -73,6 +75,7 @@ impl ThreadKind {
         ThreadKind::Api,
         ThreadKind::Console,
         ThreadKind::LazyMemory,
+        ThreadKind::ForkEnd,
     ];
 
     fn name(self) -> &'static str {
@@ -84,6 +87,7 @@ impl ThreadKind {
             ThreadKind::Api => "control socket",
             ThreadKind::Console => "console input",
             ThreadKind::LazyMemory => "lazy memory",
+            ThreadKind::ForkEnd => "fork end",
         }
     }
 
@@ -96,6 +100,7 @@ impl ThreadKind {
             ThreadKind::Api => 4,
             ThreadKind::Console => 5,
             ThreadKind::LazyMemory => 6,
+            ThreadKind::ForkEnd => 7,
         }
     }
 }
@@ -244,7 +249,7 @@ fn word(value: impl TryInto<u32>) -> u32 {
 fn policy(kind: ThreadKind, mode: Mode) -> Policy {
     use bpf::{Cond, Guarded};
     let extra: &[&[libc::c_long]] = match kind {
-        ThreadKind::Vcpu | ThreadKind::Device | ThreadKind::Console => &[],
+        ThreadKind::Vcpu | ThreadKind::Device | ThreadKind::Console | ThreadKind::ForkEnd => &[],
         ThreadKind::BlockDevice => &[BLOCK],
         ThreadKind::VsockDevice => &[SOCKETS, VSOCK],
         ThreadKind::Api => &[SOCKETS, THREADS],
@@ -282,7 +287,7 @@ fn policy(kind: ThreadKind, mode: Mode) -> Policy {
         ThreadKind::VsockDevice | ThreadKind::Api => vec![request(libc::FIONBIO)],
         ThreadKind::Device => vec![request(libc::TUNSETOFFLOAD)],
         ThreadKind::LazyMemory => vec![of_type(UFFDIO)],
-        ThreadKind::BlockDevice | ThreadKind::Console => Vec::new(),
+        ThreadKind::BlockDevice | ThreadKind::Console | ThreadKind::ForkEnd => Vec::new(),
     };
     if !ioctls.is_empty() {
         // First: a vCPU thread's every exit is an ioctl (KVM_RUN).
