@@ -67,6 +67,9 @@ pub type VcpuJob = Box<dyn FnOnce(&mut VcpuFd) + Send>;
 
 struct ControlState {
     target: Target,
+    /// The vCPU and what its loop needs, handed to a thread started ahead of them
+    /// ([`VcpuHandle::prepare`]).
+    start: Option<(VcpuFd, Arc<VcpuContext>)>,
     /// The vCPU ended its run (fatal exit or power request): it only waits for `Exit` now.
     finished: bool,
     paused: bool,
@@ -137,6 +140,7 @@ impl VcpuControl {
         Self {
             state: Mutex::new(ControlState {
                 target,
+                start: None,
                 finished: false,
                 paused: false,
                 exited: false,
@@ -175,17 +179,62 @@ impl VcpuHandle {
         context: Arc<VcpuContext>,
         start: Target,
     ) -> std::io::Result<Self> {
+        let handle = Self::prepare(index, start)?;
+        handle.start(vcpu, context);
+        Ok(handle)
+    }
+
+    /// Start the vCPU's thread before its vCPU exists: it installs its seccomp filter at once
+    /// and waits for [`VcpuHandle::start`] (or the end, if the VM never comes). A restore
+    /// starts its vCPU threads first, so that making a thread and installing its filter
+    /// (~0.1 ms here) happen while the VM is being made, not after it.
+    pub fn prepare(index: u8, start: Target) -> std::io::Result<Self> {
+        init_kick_signal()?;
         let control = Arc::new(VcpuControl::new(start));
         let thread_control = control.clone();
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{index}"))
             .stack_size(crate::HELPER_THREAD_STACK)
-            .spawn(move || vcpu_loop(index, vcpu, &context, &thread_control))?;
+            .spawn(move || {
+                // The filter first: from here on this thread handles what the guest writes.
+                let filtered = crate::seccomp::install(crate::seccomp::ThreadKind::Vcpu);
+                let started = {
+                    let mut state = thread_control.lock();
+                    loop {
+                        if let Some(start) = state.start.take() {
+                            break Some(start);
+                        }
+                        if state.target == Target::Exit {
+                            break None;
+                        }
+                        state = thread_control
+                            .changed
+                            .wait(state)
+                            .unwrap_or_else(|p| p.into_inner());
+                    }
+                };
+                match started {
+                    Some((vcpu, context)) => {
+                        vcpu_loop(index, vcpu, &context, &thread_control, filtered);
+                    }
+                    None => {
+                        thread_control.lock().exited = true;
+                        thread_control.changed.notify_all();
+                    }
+                }
+            })?;
         Ok(Self {
             index,
             control,
             thread: Some(thread),
         })
+    }
+
+    /// Give a thread started by [`VcpuHandle::prepare`] its vCPU: it runs the guest at once
+    /// when its target is `Target::Run`.
+    pub fn start(&self, vcpu: VcpuFd, context: Arc<VcpuContext>) {
+        self.control.lock().start = Some((vcpu, context));
+        self.control.changed.notify_all();
     }
 
     /// Where the vCPU thread is right now (see [`VcpuActivity`]).
@@ -339,7 +388,13 @@ fn complete_pending_io(vcpu: &mut VcpuFd) {
     vcpu.set_kvm_immediate_exit(0);
 }
 
-fn vcpu_loop(index: u8, mut vcpu: VcpuFd, context: &VcpuContext, control: &VcpuControl) {
+fn vcpu_loop(
+    index: u8,
+    mut vcpu: VcpuFd,
+    context: &VcpuContext,
+    control: &VcpuControl,
+    filtered: Result<(), crate::seccomp::SeccompError>,
+) {
     let run_ptr: *mut kvm_run = vcpu.get_kvm_run();
     KVM_RUN.with(|r| r.set(run_ptr));
     let mut breakpoints = if index == 0 {
@@ -353,8 +408,6 @@ fn vcpu_loop(index: u8, mut vcpu: VcpuFd, context: &VcpuContext, control: &VcpuC
     }
     let mut first_run = true;
 
-    // The filter first: from here on this thread handles what the guest writes.
-    let filtered = crate::seccomp::install(crate::seccomp::ThreadKind::Vcpu);
     let outcome = match filtered {
         Err(e) => Some(fatal(&vcpu, index, e.to_string())),
         Ok(()) => loop {

@@ -194,20 +194,26 @@ impl Vm {
         context: VcpuContext,
         paused: bool,
     ) -> std::io::Result<()> {
+        let threads = prepare_vcpu_threads(fds.len(), paused)?;
+        self.start_prepared_vcpus(threads, fds, context, paused);
+        Ok(())
+    }
+
+    /// Give threads made by [`prepare_vcpu_threads`] (as many as `fds`, with the same
+    /// `paused`) their vCPUs.
+    pub fn start_prepared_vcpus(
+        &mut self,
+        threads: Vec<VcpuHandle>,
+        fds: Vec<kvm_ioctls::VcpuFd>,
+        context: VcpuContext,
+        paused: bool,
+    ) {
         let context = Arc::new(context);
-        crate::vcpu::init_kick_signal()?;
-        let target = if paused {
-            crate::vcpu::Target::Pause
-        } else {
-            crate::vcpu::Target::Run
-        };
-        for (index, fd) in fds.into_iter().enumerate() {
-            let index = u8::try_from(index).map_err(|_| std::io::ErrorKind::InvalidInput)?;
-            let handle = VcpuHandle::spawn(index, fd, context.clone(), target)?;
+        for (handle, fd) in threads.into_iter().zip(fds) {
+            handle.start(fd, context.clone());
             self.vcpus.push(handle);
         }
         self.paused = paused;
-        Ok(())
     }
 
     /// Ask every vCPU thread to end and wait for them, but not forever: a vCPU blocked on
@@ -222,4 +228,20 @@ impl Vm {
             vcpu.join_until(deadline);
         }
     }
+}
+
+/// Start `count` vCPU threads ahead of their vCPUs (see [`VcpuHandle::prepare`]), to run at
+/// once or held paused.
+pub fn prepare_vcpu_threads(count: usize, paused: bool) -> std::io::Result<Vec<VcpuHandle>> {
+    let target = if paused {
+        crate::vcpu::Target::Pause
+    } else {
+        crate::vcpu::Target::Run
+    };
+    (0..count)
+        .map(|index| {
+            let index = u8::try_from(index).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+            VcpuHandle::prepare(index, target)
+        })
+        .collect()
 }

@@ -1121,7 +1121,7 @@ pub fn serve(state_fd: RawFd, memory_fd: RawFd, socket_fd: RawFd, clone_main: Cl
         crate::trace::enable();
     }
     crate::trace::event("zygote_started");
-    let prepared = match restore::prepare(source, MemoryMode::Cow, None) {
+    let prepared = match restore::prepare(source, MemoryMode::Cow, None, restore::Probe::Inline) {
         Ok(prepared) => prepared,
         Err(err) => return unusable(err.to_string()),
     };
