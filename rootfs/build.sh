@@ -35,8 +35,9 @@ dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q "install ok in
 command -v cpio >/dev/null || die "cpio is missing: apt-get install cpio"
 
 # The guest agent: a static binary, so it runs on busybox (no shared glibc in the image).
-# Built from the repository root into its own target dir so the workspace's cache (built
-# without +crt-static) is untouched; --target keeps the flag away from build scripts.
+# Built from the repository root into its own target dir (its own profile: size-optimised,
+# stripped, LTO) so the workspace's cache is untouched; --target keeps the static flag away
+# from build scripts.
 agent=
 agent_sum=none
 if [ "$flavour" = guest ] || [ "$flavour" = debian ]; then

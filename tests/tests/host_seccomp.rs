@@ -154,7 +154,9 @@ fn seccomp_child() {
                 // The control socket's threads start threads (clone3 refused with ENOSYS,
                 // glibc falls back to clone with CLONE_THREAD): the new thread runs.
                 "api-thread" => std::thread::spawn(|| 7).join().map_or(-1, |v| v),
-                // ... but never a process: fork(2) is clone without CLONE_THREAD.
+                // Unix sockets only: not the host's network.
+                "api-inet-socket" => libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0),
+                // ... and never a process: fork(2) is clone without CLONE_THREAD.
                 "api-fork" => {
                     let pid = libc::fork();
                     if pid == 0 {
@@ -208,6 +210,10 @@ fn a_forbidden_call_from_a_filtered_thread_ends_the_process_with_sigsys() {
             "a control socket thread made system call {}",
             libc::SYS_clone
         ),
+    );
+    assert_killed_by_sigsys(
+        "api-inet-socket",
+        "a control socket thread made system call 41",
     );
     assert_killed_by_sigsys(
         "api-exec",

@@ -506,12 +506,12 @@ pub fn spawn_refresh(
     let agent = Agent::new(vsock).with_wait(wait);
     let status = status.clone();
     status.set(RefreshState::Running);
-    // It reads the guest agent's frames: under the control socket's filter (Unix sockets).
+    // It reads the guest agent's frames: under a filter of its own (a Unix socket's client).
     let builder = std::thread::Builder::new()
         .name("agent-refresh".into())
         .stack_size(crate::HELPER_THREAD_STACK);
     let thread_status = status.clone();
-    let spawned = crate::seccomp::spawn(builder, crate::seccomp::ThreadKind::Api, move || {
+    let spawned = crate::seccomp::spawn(builder, crate::seccomp::ThreadKind::Refresh, move || {
         let state = match agent.refresh(event, &identity, mac) {
             Ok(reply) => RefreshState::Done(Box::new(reply)),
             Err(e) => RefreshState::Failed(e.to_string()),

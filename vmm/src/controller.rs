@@ -48,8 +48,8 @@ pub struct Controller {
     refresh: Arc<RefreshStatus>,
     /// A refresh to start once a paused VM resumes (its agent cannot answer before).
     pending_refresh: Option<(RefreshEvent, Duration)>,
-    /// A clone held paused until its fork has every clone running ([`VmEvent::ForkEnded`]
-    /// lets it go, unless its user paused or resumed it meanwhile).
+    /// A clone held paused until its fork has every clone ready ([`VmEvent::ForkEnded`] lets
+    /// it go, unless its user paused or resumed it meanwhile).
     held_for_fork: bool,
 }
 
@@ -193,6 +193,11 @@ impl Controller {
             // A clone held until its fork ends: its user's pause keeps it paused past that.
             Action::Pause if paused && self.held_for_fork => {
                 self.held_for_fork = false;
+                // Its refresh waits for its resume now, like any paused VM's: requests into
+                // its guest get 409 rather than waiting for a fork's end that no longer frees it.
+                if self.pending_refresh.is_some() {
+                    self.refresh.set(crate::agent::RefreshState::Idle);
+                }
                 (Reply::no_content(), None)
             }
             Action::Pause if paused => (Reply::error(409, "the VM is already paused"), None),

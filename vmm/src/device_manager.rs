@@ -581,6 +581,19 @@ impl DeviceManager {
         Ok(())
     }
 
+    /// Keep a paused restore's devices paused, without waiting for any thread: its device
+    /// threads start held at their gates (they touch nothing before it) and the console's
+    /// gate closes. [`DeviceManager::pause`] instead waits for each thread to stop, which a
+    /// thread just started would make a handshake of (a fork's clones are restored paused).
+    pub fn keep_paused(&self) -> Result<(), DeviceError> {
+        if self.virtio.iter().any(|slot| !slot.thread.is_paused()) {
+            return self.pause();
+        }
+        self.console_gate.close();
+        drop(lock(&self.serial));
+        Ok(())
+    }
+
     /// For a restored VM, once its vCPUs' interrupt controllers are restored: raise again the
     /// interrupts the snapshot saw pending. (Raised earlier, they would land in LAPIC state
     /// that the vCPU restore then overwrites: the guest would never hear of them.) The

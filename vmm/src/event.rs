@@ -20,7 +20,7 @@ pub enum VmEvent {
     MemoryFailed(String),
     /// A request from the control socket.
     Api(ApiCall),
-    /// A clone's fork has every clone running: a clone held paused until then goes (see
+    /// A clone's fork has every clone ready: a clone held paused until then goes (see
     /// [`crate::zygote::ForkEnd`]).
     ForkEnded,
 }

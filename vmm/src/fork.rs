@@ -13,7 +13,8 @@
 //!    making its own KVM VM. Each clone is its own process with its own control socket,
 //!    console and name, an index, a new VM generation ID (its kernel RNG reseeds) and its
 //!    wall clock set from the host.
-//! 4. Wait until every clone reports its vCPUs running, then resume the parent.
+//! 4. Wait until every clone reports it is ready (restored, held paused), let them all go at
+//!    once (the fork's socket closes: see [`crate::zygote::ForkEnd`]), resume the parent.
 //!
 //! Why this mechanism, measured in the test rig (benches/results/fork-rig.json, 128 MiB guest):
 //! handing the parent's memfd over as the base freezes it in ~2 ms and the parent then shares
@@ -48,13 +49,13 @@ pub const MAX_CLONES: u32 = 10_000;
 const CLONE_OVERHEAD_MIB: u64 = 2;
 const CLONE_RAM_FRACTION: u64 = 32;
 /// Tasks (threads, each with a pid) of a clone besides one per vCPU: its main thread, the
-/// signal, control socket, console input and guest refresh threads, one per virtio device, and
-/// KVM's own worker. Counted high: a fork that runs out of pids fails half-way.
+/// signal, control socket, console input, fork-end and guest refresh threads, one per virtio
+/// device, and KVM's own worker. Counted high: a fork that runs out of pids fails half-way.
 const CLONE_TASKS: u64 = 10;
 /// Names in use skipped in one fork before it gives up.
 const MAX_SKIPPED_NAMES: u32 = 10_000;
 /// How long a clone may take to report that it runs.
-const READY_TIMEOUT: Duration = Duration::from_secs(120);
+pub(crate) const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ForkError {
@@ -144,7 +145,7 @@ pub struct ForkReport {
     /// Starting the zygote process (its exec; it then prepares the restore while this VMM
     /// claims the clones' names, and that time is in `total_ms`).
     pub zygote_ms: f64,
-    /// From the request until every clone reported its vCPUs running.
+    /// From the request until every clone was ready and let go.
     pub total_ms: f64,
 }
 

@@ -598,6 +598,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(cli.command, Command::Run(_) | Command::Restore(_)) {
         raise_descriptor_limit();
+        // A bad MAYFLY_SECCOMP is said now, before anything starts (a filtered thread that
+        // met it later could only end the process).
+        if let Err(err) = mayfly_vmm::seccomp::mode() {
+            return fail(err);
+        }
     }
     match cli.command {
         Command::Run(args) => run(args),
@@ -946,7 +951,9 @@ fn snapshot(args: SnapshotArgs) -> ExitCode {
         Ok((status, answer)) => return fail(format!("the VM answered HTTP {status}: {answer}")),
         Err(err) => return fail(err),
     };
-    let was_running = state == "running";
+    // A clone still held by its fork ("starting") runs in a moment: paused here, it stays
+    // paused past its fork's end, and runs again after the snapshot (unless --keep-paused).
+    let was_running = state == "running" || state == "starting";
     if was_running {
         let code = client(sock, "PUT", "/vm/pause", None);
         if code != ExitCode::SUCCESS {

@@ -435,9 +435,11 @@ pub fn prepare(
         let snapshot = load(source, layers_within);
         trace::event("state_loaded");
         let host = match host {
-            Some(thread) => thread
-                .join()
-                .unwrap_or_else(|_| Err(RestoreError::Inconsistent("KVM's probe failed".into()))),
+            Some(thread) => thread.join().unwrap_or_else(|_| {
+                Err(RestoreError::Thread(std::io::Error::other(
+                    "the thread asking KVM what it supports failed",
+                )))
+            }),
             // Inline, or no thread to be had: probe here.
             None => probe_kvm(),
         };
@@ -668,7 +670,7 @@ pub fn start(
     // The restored devices' threads wait at their gates: a paused restore keeps them (and the
     // console) paused until it is resumed.
     if config.paused {
-        m.devices.pause()?;
+        m.devices.keep_paused()?;
     } else {
         m.devices.resume();
     }

@@ -12,10 +12,11 @@
 //!    the forking VMM keeps a few clones starting at once (four per host CPU), not all.
 //!    The child makes itself a process of its own (its own process group, stderr to its log),
 //!    makes its KVM VM (a VM belongs to the process that created it, so no VM ever crosses a
-//!    fork) and reports on the socket that it runs. The zygote sends the forking VMM the
-//!    child's pid with a pidfd: clones are killed by pidfd, never by a pid that may have been
-//!    recycled.
-//! 4. When the forking VMM closes its end, the zygote exits; its clones live on.
+//!    fork), paused, and reports on the socket that it is ready. The zygote sends the forking
+//!    VMM the child's pid with a pidfd: clones are killed by pidfd, never by a pid that may
+//!    have been recycled.
+//! 4. When the forking VMM closes its end (every clone is ready), the zygote exits and every
+//!    clone runs ([`ForkEnd`]); the clones live on.
 //!
 //! Why, measured on this machine's KVM with the probe guest (benches/results/probe-host.json):
 //! starting every clone as `mayfly restore` of inherited descriptors cost 3.3 ms per clone (100
@@ -66,7 +67,7 @@ pub struct CloneInfo {
     /// of its own), if the parent has a NIC.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub net: Option<crate::net::NetSettings>,
-    /// From the fork request until this clone reported that it runs.
+    /// From the fork request until this clone reported that it is ready to run.
     #[serde(default)]
     pub ready_ms: f64,
 }
@@ -87,7 +88,7 @@ enum Message {
     Forked { index: u32, pid: u32 },
     /// Zygote → forking VMM: no process for this clone.
     NotForked { index: u32, reason: String },
-    /// Clone → forking VMM: its vCPUs run (its own pidfd attached, so that the forking VMM
+    /// Clone → forking VMM: it is restored and ready to run (its own pidfd attached, so that the forking VMM
     /// can stop it even if the zygote's word on it never comes).
     Ready { index: u32, pid: u32 },
     /// Forking VMM → zygote: the fork failed; kill every clone process you made, reap them,
@@ -1265,7 +1266,7 @@ fn become_clone(
         socket,
         index: clone.index,
     };
-    // Until it reports that it runs, the clone dies with the zygote: a fork that fails kills
+    // Until it reports that it is ready, the clone dies with the zygote: a fork that fails kills
     // its zygote, and with it every clone whose pidfd the forking VMM may not have yet.
     // SAFETY: prctl with plain integer arguments; getppid has no preconditions.
     let orphaned = unsafe {
@@ -1305,7 +1306,7 @@ fn become_clone(
         console: Console::Log(clone.console_log.clone()),
         console_input: Some(clone.console_input.clone()),
         api_sock: Some(clone.api_sock.clone()),
-        // Held until the fork has every clone running (see [`ForkEnd`]).
+        // Held until the fork has every clone ready (see [`ForkEnd`]).
         paused: true,
         name: Some(clone.name.clone()),
         clone_of: Some((parent, clone.index)),

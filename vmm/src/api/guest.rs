@@ -43,6 +43,9 @@ pub const MAX_COLLECTED: usize = 16 << 20;
 pub const MAX_LIST_ENTRIES: usize = 100_000;
 /// How long an exec waits for a refresh that is still running after a restore or fork.
 const REFRESH_WAIT: Duration = Duration::from_secs(30);
+/// How long a request waits for a clone its fork still holds: the fork's own bound on its
+/// clones being ready, after which it kills them.
+const HELD_WAIT: Duration = crate::fork::READY_TIMEOUT;
 
 /// The routes served here, for the route listing and method checks.
 pub const ROUTES: &[(&str, &str)] = &[
@@ -79,8 +82,9 @@ pub fn streams_body(method: &str, path: &str) -> bool {
 /// What a route handler may do besides the agent: ask the controller.
 pub struct Context<'a> {
     pub services: &'a Services,
-    /// Whether the VM is paused (asks the controller); an error reply when it cannot say.
-    pub paused: &'a dyn Fn() -> Result<bool, Reply>,
+    /// The VM's state as `GET /vm` says it (running, paused, or starting: a clone its fork
+    /// still holds), asked of the controller; an error reply when it cannot say.
+    pub state: &'a dyn Fn() -> Result<String, Reply>,
     /// How long a client may stall while it sends or receives.
     pub idle: Duration,
 }
@@ -233,11 +237,22 @@ fn agent_for(cx: &Context) -> Result<Agent, Reply> {
     let Some(vsock) = &cx.services.vsock else {
         return Err(agent_reply(AgentError::NoVsock));
     };
-    if (cx.paused)()? {
-        return Err(Reply::error(
-            409,
-            "the VM is paused, so its agent cannot answer: PUT /vm/resume first",
-        ));
+    // A clone its fork still holds runs once the fork has every clone ready: wait for that
+    // (the fork gives up on its clones within its own bound, and kills them then).
+    let held_since = std::time::Instant::now();
+    loop {
+        match (cx.state)()?.as_str() {
+            "paused" => {
+                return Err(Reply::error(
+                    409,
+                    "the VM is paused, so its agent cannot answer: PUT /vm/resume first",
+                ))
+            }
+            "starting" if held_since.elapsed() < HELD_WAIT => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            _ => break,
+        }
     }
     cx.services.refresh.wait(REFRESH_WAIT);
     Ok(Agent::new(vsock))

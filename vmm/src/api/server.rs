@@ -547,16 +547,18 @@ fn serve_connection<E>(
         }
         Err(Refusal::Reply { status, message }) => Some((Reply::error(status, message), None)),
         Ok(request) if guest::serves(&request.path) => {
-            let paused = || {
+            let state = || {
                 let reply = ask(Action::Describe, shared, events, wrap, timeouts.reply);
                 match reply.body.as_ref().and_then(|b| b.get("state")) {
-                    Some(state) if reply.status == 200 => Ok(state == "paused"),
+                    Some(serde_json::Value::String(state)) if reply.status == 200 => {
+                        Ok(state.clone())
+                    }
                     _ => Err(reply),
                 }
             };
             let cx = guest::Context {
                 services: &shared.services,
-                paused: &paused,
+                state: &state,
                 idle: timeouts.idle,
             };
             match guest::serve(&request, &stream, &cx) {

@@ -5,11 +5,12 @@
 //! cost of taking a filter grows with its length: it checks, converts and JIT-compiles the
 //! program for every thread that installs it. Measured on this host's KVM (20 installs each,
 //! median): 10 instructions 13 µs, 155 98 µs, 305 181 µs, 605 349 µs, about 0.56 µs an
-//! instruction. A fork's clone installs five filters (its vCPU, two device threads, the
-//! control socket, the console input) of 240 to 330 instructions with seccompiler's layout:
-//! 0.6-0.7 ms of a clone's ~1.9 ms (`probe --fork-only`, `MAYFLY_SECCOMP=off` against `on`).
-//! Laid out here, the same filters are 60 to 90 instructions, and evaluate fewer instructions
-//! on every system call besides.
+//! instruction. A fork's clone of the probe guest installed five filters (its vCPU, two device
+//! threads, the control socket, the console input) of 240 to 330 instructions with
+//! seccompiler's layout: 0.6-0.7 ms of a clone's ~1.9 ms (`probe --fork-only`,
+//! `MAYFLY_SECCOMP=off` against `on`). Laid out here, the filters are 60 to 100 instructions
+//! (0.2-0.3 ms for a clone's six: those five and its wait for the fork's end; a Linux clone's
+//! guest refresh makes seven), and evaluate fewer instructions on every system call besides.
 //!
 //! The program, for x86-64:
 //!

@@ -9,8 +9,10 @@
 //! that names the thread and the call. A thread a filtered thread starts (the control socket's
 //! connection threads) runs under the same filter.
 //!
-//! Not filtered: the controller (the main thread), which acts on the host for the VMM's own
-//! user: it writes snapshots and disk layers wherever it is told, starts a fork's zygote
+//! Not filtered: the controller (the main thread) and its helpers (the signal thread, a
+//! restore's short-lived KVM probe, the thread that reaps a PID 1 VMM's clones), which act on
+//! the host for the VMM's own user and read nothing the guest or a client writes: the
+//! controller writes snapshots and disk layers wherever it is told, starts a fork's zygote
 //! (fork and exec), makes networks. Its list would be most of the system call table; what
 //! confines it is the jail (namespaces, a root holding only the VM's files, an unprivileged
 //! uid). The zygote and the clones it forks inherit nothing: each clone installs its own
@@ -54,9 +56,11 @@ pub enum ThreadKind {
     BlockDevice,
     /// virtio-vsock: Unix sockets to and from the host's side, made and accepted.
     VsockDevice,
-    /// The control socket's threads (accepting, one per connection, the exec watchers) and the
-    /// guest agent's refresh: Unix sockets, and threads of their own.
+    /// The control socket's threads (accepting, one per connection, the exec watchers): Unix
+    /// sockets, and threads of their own.
     Api,
+    /// The guest agent's refresh after a restore or fork: Unix socket clients only.
+    Refresh,
     /// The console's input: reads stdin or its FIFO, queues the bytes in the UART.
     Console,
     /// A clone's wait for its fork to end (a poll, then an event to the controller).
@@ -67,7 +71,7 @@ pub enum ThreadKind {
 
 impl ThreadKind {
     /// Every kind, in the order of [`ThreadKind::index`].
-    const ALL: [ThreadKind; 8] = [
+    const ALL: [ThreadKind; 9] = [
         ThreadKind::Vcpu,
         ThreadKind::Device,
         ThreadKind::BlockDevice,
@@ -76,6 +80,7 @@ impl ThreadKind {
         ThreadKind::Console,
         ThreadKind::LazyMemory,
         ThreadKind::ForkEnd,
+        ThreadKind::Refresh,
     ];
 
     fn name(self) -> &'static str {
@@ -88,6 +93,7 @@ impl ThreadKind {
             ThreadKind::Console => "console input",
             ThreadKind::LazyMemory => "lazy memory",
             ThreadKind::ForkEnd => "fork end",
+            ThreadKind::Refresh => "guest refresh",
         }
     }
 
@@ -101,6 +107,7 @@ impl ThreadKind {
             ThreadKind::Console => 5,
             ThreadKind::LazyMemory => 6,
             ThreadKind::ForkEnd => 7,
+            ThreadKind::Refresh => 8,
         }
     }
 }
@@ -203,14 +210,11 @@ const BLOCK: &[libc::c_long] = &[
     libc::SYS_lseek,
 ];
 
-/// Unix sockets: made, connected, accepted, read and written (the vsock device's host side,
-/// the control socket's clients and its connections to the guest agent).
-const SOCKETS: &[libc::c_long] = &[
-    libc::SYS_socket,
-    libc::SYS_socketpair,
+/// Sockets connected, read and written (the vsock device's host side, the control socket's
+/// clients and its connections to the guest agent, the refresh's). Making one (`socket`,
+/// `socketpair`) is allowed for Unix sockets only: see [`policy`].
+const SOCKET_CLIENT: &[libc::c_long] = &[
     libc::SYS_connect,
-    libc::SYS_accept4,
-    libc::SYS_accept,
     libc::SYS_sendto,
     libc::SYS_recvfrom,
     libc::SYS_sendmsg,
@@ -221,6 +225,9 @@ const SOCKETS: &[libc::c_long] = &[
     libc::SYS_getsockname,
     libc::SYS_getpeername,
 ];
+
+/// Sockets accepted (the vsock device's listeners, the control socket's).
+const SOCKET_SERVER: &[libc::c_long] = &[libc::SYS_accept4, libc::SYS_accept];
 
 /// The vsock device, besides its sockets: dropped, it removes its host socket (after checking
 /// it is still its own).
@@ -251,8 +258,9 @@ fn policy(kind: ThreadKind, mode: Mode) -> Policy {
     let extra: &[&[libc::c_long]] = match kind {
         ThreadKind::Vcpu | ThreadKind::Device | ThreadKind::Console | ThreadKind::ForkEnd => &[],
         ThreadKind::BlockDevice => &[BLOCK],
-        ThreadKind::VsockDevice => &[SOCKETS, VSOCK],
-        ThreadKind::Api => &[SOCKETS, THREADS],
+        ThreadKind::VsockDevice => &[SOCKET_CLIENT, SOCKET_SERVER, VSOCK],
+        ThreadKind::Api => &[SOCKET_CLIENT, SOCKET_SERVER, THREADS],
+        ThreadKind::Refresh => &[SOCKET_CLIENT],
         ThreadKind::LazyMemory => &[LAZY],
     };
     let mut allow: Vec<i64> = COMMON
@@ -284,11 +292,33 @@ fn policy(kind: ThreadKind, mode: Mode) -> Policy {
             request(libc::FIONBIO),
             request(libc::TUNSETOFFLOAD),
         ],
-        ThreadKind::VsockDevice | ThreadKind::Api => vec![request(libc::FIONBIO)],
+        ThreadKind::VsockDevice | ThreadKind::Api | ThreadKind::Refresh => {
+            vec![request(libc::FIONBIO)]
+        }
         ThreadKind::Device => vec![request(libc::TUNSETOFFLOAD)],
         ThreadKind::LazyMemory => vec![of_type(UFFDIO)],
         ThreadKind::BlockDevice | ThreadKind::Console | ThreadKind::ForkEnd => Vec::new(),
     };
+    // Sockets are made of the Unix family only: a thread that talks to the guest's agent or
+    // to the control socket's clients has no business with the host's network (or netlink,
+    // or raw packets).
+    let unix_only = vec![vec![Cond::eq32(0, word(libc::AF_UNIX))]];
+    if matches!(
+        kind,
+        ThreadKind::VsockDevice | ThreadKind::Api | ThreadKind::Refresh
+    ) {
+        guarded.push(Guarded {
+            call: libc::SYS_socket,
+            rules: unix_only.clone(),
+        });
+    }
+    if kind == ThreadKind::Api {
+        // The exec watcher's wake-up pair.
+        guarded.push(Guarded {
+            call: libc::SYS_socketpair,
+            rules: unix_only,
+        });
+    }
     if !ioctls.is_empty() {
         // First: a vCPU thread's every exit is an ioctl (KVM_RUN).
         guarded.insert(
@@ -309,9 +339,13 @@ fn policy(kind: ThreadKind, mode: Mode) -> Policy {
         Mode::Log => u32::from(SeccompAction::Log),
         Mode::Enforce | Mode::Off => u32::from(SeccompAction::Errno(errno.unsigned_abs())),
     };
+    // A panic's backtrace (RUST_BACKTRACE) reads /proc/self/maps (an open, refused) and then
+    // the binary's path: refused too, so a panicking thread ends itself and not the VMM.
     let mut refuse = vec![
         (libc::SYS_openat, refusal(libc::EACCES)),
         (libc::SYS_open, refusal(libc::EACCES)),
+        (libc::SYS_readlink, refusal(libc::EACCES)),
+        (libc::SYS_readlinkat, refusal(libc::EACCES)),
     ];
     if kind == ThreadKind::Api {
         // Threads, never processes: clone with CLONE_THREAD set (glibc's pthread_create);
@@ -412,6 +446,7 @@ pub fn install_or_exit(kind: ThreadKind) {
         eprintln!(
             "mayfly: {e}: the VMM stops (MAYFLY_SECCOMP=off runs the VM without seccomp filters)"
         );
+        crate::console::restore_terminal();
         std::process::exit(1);
     }
 }
@@ -472,11 +507,13 @@ extern "C" fn on_sigsys(
             .read_unaligned()
     };
     let kind = KIND.with(|k| k.get());
-    // A plain table lookup: nothing here allocates or locks.
+    // A plain table lookup: nothing here allocates or locks. A thread with no label runs
+    // under a filter it inherited from the thread that started it (an unfiltered thread
+    // never gets here).
     let name = usize::from(kind)
         .checked_sub(1)
         .and_then(|index| ThreadKind::ALL.get(index))
-        .map_or("unfiltered", |kind| kind.name())
+        .map_or("filtered (inherited)", |kind| kind.name())
         .as_bytes();
     let mut line = [0u8; 160];
     let mut len = 0;
