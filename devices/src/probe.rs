@@ -5,8 +5,8 @@
 //!
 //! Registers (MMIO, 64-bit): offset 8, the value; offset 0, the kind, which sends the report;
 //! offset 16, "wait": a read returns after [`WAIT_LIMIT`] or as soon as the VMM wakes it (to
-//! pause the VM), so an idle probe sleeps instead of spinning and a hundred idle clones do not
-//! starve the host.
+//! pause or stop the VM), so an idle probe sleeps instead of spinning and thousands of idle
+//! clones do not starve the host.
 
 use std::io::Write;
 use std::sync::{Arc, Condvar, Mutex};
@@ -21,33 +21,64 @@ pub const PROBE_SIZE: u64 = 0x1000;
 const KIND_OFFSET: u64 = 0;
 const VALUE_OFFSET: u64 = 8;
 const WAIT_OFFSET: u64 = 16;
-/// The longest a "wait" read blocks. An idle probe exits to the VMM once per limit: at 100 ms,
-/// a fork of 1,000 probe clones spent 28% of this 2-core host's samples in the clones' vCPU
-/// threads (perf, in the fork benchmark).
-pub const WAIT_LIMIT: Duration = Duration::from_secs(1);
+/// The longest a "wait" read blocks: an idle probe exits to the VMM once per limit. Every
+/// wait the VMM needs back (pause, stop) it ends itself ([`ProbeWaker::hold`]), so the limit
+/// only bounds what an idle VM costs. At 100 ms, a fork of 1,000 probe clones spent 28% of
+/// this 2-core host's samples in the clones' vCPU threads; at 1 s, one idle clone's vCPU took
+/// 136 us of CPU a second (one exit and re-entry into the guest costs that much on this nested
+/// host) and 1,000 of them 0.6 CPU-seconds a second, so that past ~3,000 idle clones the host
+/// had no CPU left for the fork that was making more (10,000 clones: 1.4 ms a clone for the
+/// first half, 5.5 ms for the second).
+pub const WAIT_LIMIT: Duration = Duration::from_secs(30);
 
 /// Ends the probe's waits early: the VMM holds it (every wait returns at once) while it pauses
 /// or stops the vCPUs, so a vCPU that comes back from one wait and goes straight into the next
 /// before its pause request arrives does not sleep out the next one (a fork's pause took a
 /// whole [`WAIT_LIMIT`] now and then that way).
-#[derive(Default)]
 pub struct ProbeWaker {
     state: Mutex<WakerState>,
     woken: Condvar,
+    limit: Duration,
+}
+
+impl Default for ProbeWaker {
+    fn default() -> Self {
+        Self::with_limit(WAIT_LIMIT)
+    }
 }
 
 #[derive(Default)]
 struct WakerState {
     wakeups: u64,
     holding: bool,
+    /// The next wait (or the one under way) returns at once, once.
+    pending: bool,
 }
 
 impl ProbeWaker {
+    /// A waker whose waits last at most `limit`.
+    pub fn with_limit(limit: Duration) -> Self {
+        Self {
+            state: Mutex::default(),
+            woken: Condvar::new(),
+            limit,
+        }
+    }
+
     /// End every wait now and return from those that begin, until [`ProbeWaker::release`].
     pub fn hold(&self) {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         state.wakeups += 1;
         state.holding = true;
+        self.woken.notify_all();
+    }
+
+    /// End the wait under way, or else the next one, once: a restored VM's generation ID has
+    /// changed, and its probe may have been caught just before going into a wait (it looks at
+    /// the ID first), so it would sleep out a whole limit before seeing the new one.
+    pub fn wake_once(&self) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.pending = true;
         self.woken.notify_all();
     }
 
@@ -59,9 +90,13 @@ impl ProbeWaker {
     fn wait(&self) {
         let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let seen = guard.wakeups;
-        let _ = self
+        let (mut state, _) = self
             .woken
-            .wait_timeout_while(guard, WAIT_LIMIT, |s| s.wakeups == seen && !s.holding);
+            .wait_timeout_while(guard, self.limit, |s| {
+                s.wakeups == seen && !s.holding && !s.pending
+            })
+            .unwrap_or_else(|p| p.into_inner());
+        state.pending = false;
     }
 }
 
@@ -155,7 +190,8 @@ mod tests {
 
     #[test]
     fn waits_end_when_woken_or_after_the_limit() {
-        let waker = Arc::new(ProbeWaker::default());
+        const WAIT_LIMIT: Duration = Duration::from_millis(300);
+        let waker = Arc::new(ProbeWaker::with_limit(WAIT_LIMIT));
         let mut probe = Probe::new(waker.clone());
         let start = std::time::Instant::now();
         let mut data = [0u8; 8];
@@ -179,6 +215,14 @@ mod tests {
         assert!(start.elapsed() < WAIT_LIMIT);
         // ... until released.
         waker.release();
+        let start = std::time::Instant::now();
+        probe.read(WAIT_OFFSET, &mut data);
+        assert!(start.elapsed() >= WAIT_LIMIT);
+        // Woken once (a restore): the next wait returns at once, the one after lasts.
+        waker.wake_once();
+        let start = std::time::Instant::now();
+        probe.read(WAIT_OFFSET, &mut data);
+        assert!(start.elapsed() < WAIT_LIMIT);
         let start = std::time::Instant::now();
         probe.read(WAIT_OFFSET, &mut data);
         assert!(start.elapsed() >= WAIT_LIMIT);

@@ -15,7 +15,7 @@
  *      was wrong, MISMATCH (count); then waits again.
  *
  * Reports go to mayfly's probe device: the value to 0xd0000008, then the kind to 0xd0000000.
- * While waiting it reads 0xd0000010, which mayfly holds for up to 1 s: an idle probe
+ * While waiting it reads 0xd0000010, which mayfly holds for up to 30 s: an idle probe
  * sleeps rather than spins.
  */
 
@@ -155,14 +155,17 @@ user_main:
     mov     %rax, %rsi
     call    report
 
-    /* 2. Wait for a new generation. */
+    /* 2. Wait for a new generation: look first, and sleep only while it is the same (a
+     *    generation that changed while the probe was busy is seen at once). */
 wait:
-    mov     $PROBE_DEVICE, %rdx
-    mov     16(%rdx), %rax              /* sleeps in the VMM */
     mov     $VMGENID, %rax
     mov     (%rax), %rax
     cmp     generation(%rip), %rax
-    je      wait
+    jne     changed
+    mov     $PROBE_DEVICE, %rdx
+    mov     16(%rdx), %rax              /* sleeps in the VMM */
+    jmp     wait
+changed:
     mov     %rax, generation(%rip)
     mov     $REPORT_RESUMED, %edi
     mov     %rax, %rsi

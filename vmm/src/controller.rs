@@ -238,8 +238,10 @@ impl Controller {
                     .as_ref()
                     .and_then(|api| api.path().parent().map(Path::to_path_buf));
                 match crate::fork::fork(&mut self.machine, dir.as_deref(), &request) {
+                    // The clones run once the answer is written (see zygote::Release).
                     Ok(report) => (
-                        Reply::ok(serde_json::to_value(report).unwrap_or_default()),
+                        Reply::ok(serde_json::to_value(&report).unwrap_or_default())
+                            .keeping(report.release),
                         None,
                     ),
                     Err(e) => {

@@ -340,6 +340,8 @@ impl DeviceManager {
         targets: &RestoreTargets,
     ) -> Result<Self, DeviceError> {
         let mut manager = Self::legacy(wiring, console_out, Some(&state.serial), probe)?;
+        // A restored probe has a new generation ID to see, and may be just about to wait.
+        manager.probe_waker.wake_once();
         manager.disk_dir = targets.disk_dir.clone();
         let mut allocator = ResourceAllocator::new();
         for saved in &state.virtio {

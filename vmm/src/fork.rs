@@ -39,7 +39,7 @@ use crate::machine::{Machine, PauseError};
 use crate::snapshot::{self, SnapshotCreateError};
 use crate::vm::VmError;
 pub use crate::zygote::CloneInfo;
-use crate::zygote::{Zygote, ZygoteError};
+use crate::zygote::{Release, Zygote, ZygoteError};
 
 /// More clones than this in one request is a mistake, not a plan.
 pub const MAX_CLONES: u32 = 10_000;
@@ -133,7 +133,7 @@ pub struct ForkRequest {
     pub overcommit: bool,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Debug, Serialize)]
 pub struct ForkReport {
     pub parent: String,
     pub clones: Vec<CloneInfo>,
@@ -145,8 +145,11 @@ pub struct ForkReport {
     /// Starting the zygote process (its exec; it then prepares the restore while this VMM
     /// claims the clones' names, and that time is in `total_ms`).
     pub zygote_ms: f64,
-    /// From the request until every clone was ready and let go.
+    /// From the request until every clone was ready (they run when `release` is dropped).
     pub total_ms: f64,
+    /// Holds the clones until dropped: the answer is written first (see [`Release`]).
+    #[serde(skip)]
+    pub release: Release,
 }
 
 fn available_mib() -> Option<u64> {
@@ -695,7 +698,8 @@ fn fork_paused(
     }
     crate::trace::event("fork_clones_claimed");
     let open_log = |info: &CloneInfo| reopen_log(info, logs.get(&info.index));
-    let clones = zygote.start_clones(&parent, claimed, &open_log, start, READY_TIMEOUT)?;
+    let (clones, release) =
+        zygote.start_clones(&parent, claimed, &open_log, start, READY_TIMEOUT)?;
     crate::trace::event("fork_clones_ready");
     Ok(ForkReport {
         parent,
@@ -706,6 +710,7 @@ fn fork_paused(
         freeze_ms,
         zygote_ms,
         total_ms: start.elapsed().as_secs_f64() * 1e3,
+        release,
     })
 }
 

@@ -377,6 +377,27 @@ pub struct Prepared {
     memory_protection: crate::memory::BackingProtection,
 }
 
+impl Prepared {
+    /// Make this snapshot's VM in KVM and nothing else: the VM with its memory slot, interrupt
+    /// controllers and PIT, its VM state, and its vCPUs with their state (what [`start`] asks
+    /// of KVM, without the devices' irqfds and ioeventfds). No device, thread, socket or
+    /// console: the probe benchmark forks this to measure what a clone costs KVM alone on the
+    /// host it runs on (the floor a fork's clone is compared with).
+    pub fn kvm_only(&self) -> Result<(kvm_ioctls::VmFd, Vec<kvm_ioctls::VcpuFd>), RestoreError> {
+        let vm_fd = vm::create_vm(&self.kvm, &self.ram)?;
+        kvm_state::restore_vm(&vm_fd, &self.state.vm, &self.caps)?;
+        let mut vcpus = Vec::with_capacity(self.state.vcpus.len());
+        for (index, vcpu_state) in self.state.vcpus.iter().enumerate() {
+            let fd = vm_fd
+                .create_vcpu(index as u64)
+                .map_err(kvm_err("create a vCPU"))?;
+            kvm_state::restore_vcpu(&fd, vcpu_state, &self.caps)?;
+            vcpus.push(fd);
+        }
+        Ok((vm_fd, vcpus))
+    }
+}
+
 /// Where [`prepare`] asks KVM what it supports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Probe {

@@ -69,6 +69,15 @@ struct Args {
     /// counts like 10,000 idle probe clones, which the full estimate refuses).
     #[arg(long)]
     overcommit: bool,
+    /// Skip the KVM floor (each clone count forked as bare KVM VMs, for comparison).
+    #[arg(long)]
+    no_floor: bool,
+    /// Internal: fork COUNT bare KVM VMs from the snapshot in this directory and print their
+    /// times (the KVM floor; run in a process of its own, which must stay single-threaded).
+    #[arg(long, hide = true, requires = "floor_count")]
+    floor_child: Option<PathBuf>,
+    #[arg(long, hide = true)]
+    floor_count: Option<u32>,
     /// Write the JSON report here instead of stdout.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -265,7 +274,31 @@ struct ForkResult {
     guest_shared_pss_kib: Stats,
     /// Host memory in use (MemAvailable) before the fork minus after it, per clone.
     host_kib_per_clone: f64,
+    /// CPU time per clone (mean over up to 50 clones), by thread, read from
+    /// /proc/PID/task/*/schedstat at once after the fork's answer: what making a clone cost
+    /// each of its threads ("main" is the controller, which makes the VM). The clones were
+    /// let go just before the answer, so vcpu0 also holds the first moments of the guest's run;
+    /// threads that ended (the wait for the fork's end) are not counted.
+    cpu_ms_by_thread: std::collections::BTreeMap<String, f64>,
     clones_diverged: bool,
+}
+
+/// The KVM floor of a fork of `clones`: one single-threaded process that has prepared the
+/// snapshot as a fork's zygote does (state read, memory mapped copy-on-write) fork(2)s one
+/// child per clone, and each child makes the VM in KVM alone ([`restore::Prepared::kvm_only`]:
+/// VM, memory slot, irqchip, PIT, VM state, vCPUs with their state) and stops before its first
+/// KVM_RUN. Everything a mayfly clone does beyond that (devices, threads, seccomp, sockets,
+/// console, identity, reporting) is what the fork costs over KVM here.
+#[derive(Serialize)]
+struct FloorResult {
+    clones: u32,
+    size_mib: u64,
+    /// From the first fork(2) until the last child has its vCPUs restored.
+    to_all_ready_ms: f64,
+    per_clone_ms: f64,
+    clones_per_s: f64,
+    /// From the first fork(2) until each child was ready.
+    clone_ready_ms: Stats,
 }
 
 #[derive(Serialize)]
@@ -277,6 +310,7 @@ struct Report {
     snapshots: Vec<SnapshotResult>,
     restores: Vec<ModeResult>,
     forks: Vec<ForkResult>,
+    kvm_floor: Vec<FloorResult>,
 }
 
 fn stats(samples: &[f64]) -> Stats {
@@ -416,6 +450,7 @@ fn bench_fork(
     let Some(listed) = answer["clones"].as_array() else {
         panic!("the fork failed: {answer}");
     };
+    let cpu_ms_by_thread = thread_cpu(listed);
     let clones: Vec<(u32, PathBuf, f64)> = listed
         .iter()
         .map(|c| {
@@ -499,7 +534,168 @@ fn bench_fork(
         guest_dirty_kib: stats(&guest_dirty),
         guest_shared_pss_kib: stats(&guest_shared),
         host_kib_per_clone,
+        cpu_ms_by_thread,
         clones_diverged: diverged,
+    }
+}
+
+/// Mean CPU time per clone by thread name (see [`ForkResult::cpu_ms_by_thread`]).
+fn thread_cpu(clones: &[serde_json::Value]) -> std::collections::BTreeMap<String, f64> {
+    let step = clones.len().div_ceil(50).max(1);
+    let mut sums: std::collections::BTreeMap<String, f64> = Default::default();
+    let mut sampled = 0u32;
+    for clone in clones.iter().step_by(step) {
+        let Some(pid) = clone["pid"].as_u64() else {
+            continue;
+        };
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        sampled += 1;
+        for task in tasks.flatten() {
+            let path = task.path();
+            let Ok(comm) = std::fs::read_to_string(path.join("comm")) else {
+                continue;
+            };
+            let ns: f64 = std::fs::read_to_string(path.join("schedstat"))
+                .ok()
+                .and_then(|s| s.split_whitespace().next()?.parse().ok())
+                .unwrap_or(0.0);
+            // The clone's main thread carries the clone's name.
+            let name = if task.file_name().to_string_lossy() == pid.to_string() {
+                "main".to_string()
+            } else {
+                comm.trim().to_string()
+            };
+            *sums.entry(name).or_default() += ns / 1e6;
+        }
+    }
+    for value in sums.values_mut() {
+        *value /= f64::from(sampled.max(1));
+    }
+    sums
+}
+
+/// The KVM floor's forking process (`--floor-child`): prepare the snapshot once, fork `count`
+/// children that each make the VM in KVM and note when they are done in a shared page, hold
+/// them until every one is done (as a fork holds its clones), and print the times (ms from the
+/// first fork(2), one per child) as JSON. Exits non-zero if any child failed.
+fn floor_child(dir: &Path, count: u32) -> ! {
+    use mayfly_vmm::restore::{self, MemoryMode, SnapshotSource};
+    let prepared = restore::prepare(
+        SnapshotSource::Dir(dir.to_path_buf()),
+        MemoryMode::Cow,
+        None,
+        restore::Probe::Inline,
+    )
+    .unwrap_or_else(|e| {
+        eprintln!("kvm floor: {e}");
+        std::process::exit(2)
+    });
+    let slots = usize::try_from(count).expect("a count");
+    let len = slots * std::mem::size_of::<u64>();
+    // SAFETY: a new shared anonymous mapping of `len` bytes; checked below.
+    let shared = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len.max(1),
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert!(shared != libc::MAP_FAILED, "map the floor's shared page");
+    // SAFETY: the mapping is `slots` u64s long, zeroed, shared with the children and never
+    // unmapped; each slot is written by one child and read here with atomic accesses.
+    let done: &[std::sync::atomic::AtomicU64] =
+        unsafe { std::slice::from_raw_parts(shared.cast(), slots) };
+    let mut release = [0i32; 2];
+    // SAFETY: pipe(2) fills the two descriptors.
+    assert_eq!(unsafe { libc::pipe(release.as_mut_ptr()) }, 0, "a pipe");
+    let start = monotonic_ns();
+    let mut pids = Vec::with_capacity(slots);
+    for slot in done {
+        // SAFETY: this process runs one thread (the benchmark starts none before this).
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let outcome = prepared.kvm_only();
+            let now = monotonic_ns();
+            slot.store(
+                if outcome.is_ok() {
+                    now.max(1)
+                } else {
+                    u64::MAX
+                },
+                std::sync::atomic::Ordering::SeqCst,
+            );
+            // Held until every child is done: the release pipe's end of file.
+            // SAFETY: close and read on this process's own descriptors, into a local buffer.
+            unsafe {
+                libc::close(release[1]);
+                let mut byte = 0u8;
+                libc::read(release[0], std::ptr::addr_of_mut!(byte).cast(), 1);
+                libc::_exit(0);
+            }
+        }
+        assert!(pid > 0, "fork(2): {}", std::io::Error::last_os_error());
+        pids.push(pid);
+    }
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while done
+        .iter()
+        .any(|d| d.load(std::sync::atomic::Ordering::SeqCst) == 0)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "kvm floor: a child never finished"
+        );
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    let times: Vec<u64> = done
+        .iter()
+        .map(|d| d.load(std::sync::atomic::Ordering::SeqCst))
+        .collect();
+    // SAFETY: closing our own descriptors (the children see end of file and exit), then
+    // reaping our own children.
+    unsafe {
+        libc::close(release[1]);
+        libc::close(release[0]);
+        for pid in pids {
+            let mut status = 0;
+            libc::waitpid(pid, &mut status, 0);
+        }
+    }
+    if times.contains(&u64::MAX) {
+        eprintln!("kvm floor: a child could not make its VM");
+        std::process::exit(1);
+    }
+    let ms: Vec<f64> = times.iter().map(|&t| ms(start, t)).collect();
+    println!("{}", serde_json::to_string(&ms).expect("JSON"));
+    std::process::exit(0)
+}
+
+/// Run the KVM floor for `count` clones of the snapshot in `dir` (a process of its own).
+fn bench_floor(count: u32, size: u64, dir: &Path) -> FloorResult {
+    eprintln!("probe bench: KVM floor of {count} clones");
+    let out = std::process::Command::new(std::env::current_exe().expect("this benchmark"))
+        .arg("--floor-child")
+        .arg(dir)
+        .arg("--floor-count")
+        .arg(count.to_string())
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("run the KVM floor");
+    assert!(out.status.success(), "the KVM floor failed: {}", out.status);
+    let ready: Vec<f64> = serde_json::from_slice(&out.stdout).expect("the floor's times");
+    let all = ready.iter().copied().fold(0.0, f64::max);
+    FloorResult {
+        clones: count,
+        size_mib: size,
+        to_all_ready_ms: all,
+        per_clone_ms: all / f64::from(count),
+        clones_per_s: f64::from(count) / (all / 1e3),
+        clone_ready_ms: stats(&ready),
     }
 }
 
@@ -580,6 +776,9 @@ fn plot(report: &Report) -> String {
 
 fn main() {
     let mut args = Args::parse();
+    if let (Some(dir), Some(count)) = (&args.floor_child, args.floor_count) {
+        floor_child(dir, count);
+    }
     if args.quick {
         args.mem_mib = vec![128];
         args.touch = vec![10];
@@ -605,6 +804,22 @@ fn main() {
         .iter()
         .map(|&n| bench_fork(n, 128, &args.fork_dir, args.overcommit, &mut checks))
         .collect();
+    // The same counts as bare KVM VMs forked from one prepared snapshot of the same probe.
+    let kvm_floor = if args.no_floor || args.clones.is_empty() {
+        Vec::new()
+    } else {
+        let dir = TestDir::new("probe-floor");
+        let sock = dir.join("p.sock");
+        let mut guest = boot_probe(128, 0, &sock);
+        let snap = dir.join("snap");
+        snapshot(&sock, &snap);
+        guest.signal(libc::SIGKILL);
+        guest.wait_exit(TIMEOUT);
+        args.clones
+            .iter()
+            .map(|&n| bench_floor(n, 128, &snap))
+            .collect()
+    };
     let report = Report {
         benchmark: "probe",
         machine: Machine::describe(),
@@ -613,6 +828,7 @@ fn main() {
         snapshots,
         restores,
         forks,
+        kvm_floor,
     };
     emit_report("probe", &report, args.out.as_deref());
     if let Some(path) = &args.plot {
@@ -652,6 +868,24 @@ fn main() {
             f.clones, f.request_to_running_ms, f.per_clone_ms, f.clones_per_s,
             f.clone_ready_ms.median, f.clone_ready_ms.p99, f.request_to_all_reported_ms,
             f.vmm_pss_kib.median, f.guest_dirty_kib.median, f.host_kib_per_clone, f.clones_diverged
+        );
+        let threads: Vec<String> = f
+            .cpu_ms_by_thread
+            .iter()
+            .map(|(name, ms)| format!("{name} {ms:.3}"))
+            .collect();
+        eprintln!(
+            "    CPU per clone {:.2} ms: {}",
+            f.cpu_ms_by_thread.values().sum::<f64>(),
+            threads.join(", ")
+        );
+    }
+    for (floor, fork) in report.kvm_floor.iter().zip(&report.forks) {
+        eprintln!(
+            "  KVM floor {:>4}: all ready {:>8.1} ms ({:.2} ms per clone, {:.0}/s), clone ready p50 {:.1} p99 {:.1} ms; mayfly's fork {:.1}x",
+            floor.clones, floor.to_all_ready_ms, floor.per_clone_ms, floor.clones_per_s,
+            floor.clone_ready_ms.median, floor.clone_ready_ms.p99,
+            fork.request_to_running_ms / floor.to_all_ready_ms
         );
     }
     if !checks.0.is_empty() {

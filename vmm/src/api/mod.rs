@@ -98,6 +98,25 @@ pub const MAX_FORK_COUNT: u32 = crate::fork::MAX_CLONES;
 pub struct Reply {
     pub status: u16,
     pub body: Option<serde_json::Value>,
+    /// Kept until the answer is written (or cannot be), then dropped.
+    pub until_written: UntilWritten,
+}
+
+/// What a reply keeps until it is written: a fork's held clones run when it is dropped, so
+/// that the answer goes out before they all take the CPU. Compares equal to any other.
+#[derive(Clone, Default)]
+pub struct UntilWritten(Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>);
+
+impl std::fmt::Debug for UntilWritten {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "held" } else { "none" })
+    }
+}
+
+impl PartialEq for UntilWritten {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 impl Reply {
@@ -106,6 +125,7 @@ impl Reply {
         Self {
             status: 200,
             body: Some(body),
+            until_written: UntilWritten::default(),
         }
     }
 
@@ -114,6 +134,7 @@ impl Reply {
         Self {
             status: 204,
             body: None,
+            until_written: UntilWritten::default(),
         }
     }
 
@@ -122,7 +143,14 @@ impl Reply {
         Self {
             status,
             body: Some(serde_json::json!({ "error": message.into() })),
+            until_written: UntilWritten::default(),
         }
+    }
+
+    /// Keep `value` until this reply has been written (or could not be), then drop it.
+    pub fn keeping(mut self, value: impl std::any::Any + Send + Sync) -> Self {
+        self.until_written = UntilWritten(Some(std::sync::Arc::new(value)));
+        self
     }
 }
 

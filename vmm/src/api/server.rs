@@ -579,6 +579,8 @@ fn serve_connection<E>(
         let bytes = http::encode_response(reply.status, reply.body.as_ref(), &headers);
         let _ = (&stream).write_all(&bytes);
         let _ = stream.shutdown(std::net::Shutdown::Write);
+        // Written: what the reply kept goes now (a fork's clones run).
+        drop(reply);
     }
     lock(&shared.current).remove(&id);
 }

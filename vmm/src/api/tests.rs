@@ -1015,3 +1015,71 @@ fn two_servers_racing_for_a_stale_socket_end_with_one_winner() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// What a reply keeps (a fork's held clones) is let go only once the answer has been written:
+/// when it is dropped, the client's socket already holds the answer.
+#[test]
+fn what_a_reply_keeps_goes_only_after_the_answer_is_written() {
+    struct Kept {
+        client: UnixStream,
+        seen: mpsc::Sender<isize>,
+    }
+    impl Drop for Kept {
+        fn drop(&mut self) {
+            let mut byte = 0u8;
+            // SAFETY: a peek of one byte into a local buffer, without blocking, on a socket
+            // this value owns.
+            let waiting = unsafe {
+                libc::recv(
+                    std::os::fd::AsRawFd::as_raw_fd(&self.client),
+                    std::ptr::addr_of_mut!(byte).cast(),
+                    1,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            let _ = self.seen.send(waiting);
+        }
+    }
+    let dir = temp_dir("keeping");
+    let (events, calls) = mpsc::channel();
+    let server = ApiServer::start_with(
+        &dir.join("api.sock"),
+        events,
+        Event::Api,
+        Timeouts::default(),
+        Services::default(),
+    )
+    .unwrap();
+    let mut client = UnixStream::connect(server.path()).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let (seen, dropped) = mpsc::channel();
+    let kept = Kept {
+        client: client.try_clone().unwrap(),
+        seen,
+    };
+    std::thread::spawn(move || {
+        if let Ok(Event::Api(call)) = calls.recv() {
+            call.respond(Reply::ok(json!({ "clones": 1 })).keeping(std::sync::Mutex::new(kept)));
+        }
+    });
+    let body = br#"{"count": 1}"#;
+    let request = format!(
+        "PUT /vm/fork HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    client.write_all(request.as_bytes()).unwrap();
+    client.write_all(body).unwrap();
+    let waiting = dropped
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the kept value was dropped");
+    assert!(
+        waiting > 0,
+        "dropped before the answer was written (peek: {waiting})"
+    );
+    let response = read_raw(&mut client);
+    assert_eq!(response.status, 200, "{response:?}");
+    assert_eq!(response.json()["clones"], 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
