@@ -547,3 +547,96 @@ fn forks_beyond_the_vmms_descriptor_and_cgroup_limits_are_refused_before_any_clo
     parent.signal(libc::SIGTERM);
     parent.wait_exit(TIMEOUT);
 }
+
+/// The processes whose name (comm) is `name`.
+fn processes_named(name: &str) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_string_lossy().parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == name)
+                && alive(*pid)
+        })
+        .collect()
+}
+
+#[test]
+fn clones_ready_when_their_forking_vmm_dies_mid_fork_stop_rather_than_run_unknown() {
+    let dir = TestDir::new("fork-orphans");
+    let sock = dir.join("o.sock");
+    // One clone at a time, so that the fork is still under way when its first clones are
+    // ready (and held) and the VMM is killed.
+    let parent = Guest::start_with(
+        std::process::Command::new(mayfly_tests::guest::mayfly_bin())
+            .env("MAYFLY_FORK_IN_FLIGHT", "1")
+            .args(["run", "--probe", "--kernel", probe::ELF, "--mem-mib", "64"])
+            .args(["--cmdline", "touch=1", "--console", "/dev/null"])
+            .args(["--name", "orph7"])
+            .arg("--api-sock")
+            .arg(&sock),
+    );
+    assert!(
+        parent.wait_stderr("mayfly-probe: waiting", probe::TIMEOUT),
+        "the probe did not boot: {}",
+        parent.stderr()
+    );
+    let count = 60;
+    let forking = {
+        let sock = sock.clone();
+        std::thread::spawn(move || {
+            api::request_with_timeout(
+                &sock,
+                "PUT",
+                "/vm/fork",
+                Some(&serde_json::json!({ "count": count })),
+                TIMEOUT,
+            )
+        })
+    };
+    // Clone 2's control socket is bound before it reports ready: once it is there, clones 0
+    // and 1 are ready and held, and the fork (one clone at a time) is far from done.
+    let deadline = Instant::now() + TIMEOUT;
+    while !dir.join("orph7-2.sock").exists() {
+        assert!(Instant::now() < deadline, "the fork's clones never started");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let held: Vec<u32> = processes_named("orph7-0")
+        .into_iter()
+        .chain(processes_named("orph7-1"))
+        .collect();
+    assert_eq!(held.len(), 2, "clones 0 and 1 run as processes");
+    // SAFETY: kill(2) of the VMM this test started.
+    unsafe { libc::kill(parent.pid() as i32, libc::SIGKILL) };
+    let answer = forking.join().unwrap();
+    assert!(
+        !matches!(answer, Ok((200, _))),
+        "the fork was answered: {answer:?}"
+    );
+    // No clone of the fork runs on: the ready ones see their VMM gone without the fork's
+    // word and stop, the others die with the zygote.
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let left: Vec<(u32, u32)> = (0..count)
+            .flat_map(|i| {
+                processes_named(&format!("orph7-{i}"))
+                    .into_iter()
+                    .map(move |pid| (i, pid))
+            })
+            .collect();
+        if left.is_empty() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            left.iter().for_each(|&(_, pid)| kill(pid));
+            panic!("clones ran on after their forking VMM died: {left:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = std::fs::read_to_string(dir.join("orph7-0.log")).unwrap_or_default();
+    assert!(
+        log.contains("ended before its fork did"),
+        "clone 0 says why it stopped: {log}"
+    );
+    drop(parent);
+}

@@ -885,8 +885,16 @@ fn serve(
             .name("fork-end".into())
             .stack_size(mayfly_vmm::HELPER_THREAD_STACK);
         let waiting = mayfly_vmm::seccomp::spawn(builder, ThreadKind::ForkEnd, move || {
-            fork_end.wait();
-            let _ = events.send(VmEvent::ForkEnded);
+            if fork_end.wait() {
+                let _ = events.send(VmEvent::ForkEnded);
+            } else {
+                // Nobody was told of this clone: it stops (cleanly, its sockets removed).
+                eprintln!(
+                    "mayfly: the VMM that forked this clone ended before its fork did; \
+                     the clone stops"
+                );
+                let _ = events.send(VmEvent::Signal(libc::SIGTERM));
+            }
         });
         if let Err(err) = waiting {
             eprintln!("mayfly: cannot wait for the fork's end ({err}); the clone runs now");

@@ -98,8 +98,9 @@ enum Message {
     Failed { index: u32, reason: String },
     /// Zygote → forking VMM: a clone's process ended.
     Exited { index: u32, status: String },
-    /// Forking VMM → zygote: every clone is ready; exit (the clones live on).
-    Done,
+    /// Forking VMM → its clones, as it lets them go: the fork succeeded. A clone that sees the
+    /// forking VMM's end close without this queued (the VMM died mid-fork) stops.
+    Go,
 }
 
 /// Longest message either side sends or takes (the socket's default send buffer holds a
@@ -348,6 +349,9 @@ pub struct Release {
 
 impl Drop for Release {
     fn drop(&mut self) {
+        // The word the clones look for once the socket closes (see ForkEnd::wait); a clone
+        // that does not find it stops.
+        send(&self._socket, &Message::Go);
         crate::trace::event("fork_released");
     }
 }
@@ -450,11 +454,13 @@ impl Zygote {
         };
         match follow(&fork, clones, since, timeout) {
             Ok(started) => {
-                // The zygote goes first (its clones no longer need it), while the clones are
-                // still held: once they run, a fork of thousands has them all resuming at
-                // once, and a zygote or an answer waiting for the CPU behind them waits long
-                // (1,000 probe clones: 0.42 s from the last one ready to the answer).
-                send(&socket, &Message::Done);
+                // The zygote goes first (its clones, all ready, no longer die with it), while
+                // the clones are still held: once they run, a fork of thousands has them all
+                // resuming at once, and a zygote or an answer waiting for the CPU behind them
+                // waits long (1,000 probe clones: 0.42 s from the last one ready to the
+                // answer). It is killed rather than told: it has answered every request, so
+                // nothing is left on the socket for it, and nothing but the Go will be.
+                let _ = self.process.kill();
                 self.finish();
                 crate::trace::event("fork_zygote_ended");
                 let (infos, pidfds): (Vec<CloneInfo>, Vec<OwnedFd>) = started.into_iter().unzip();
@@ -610,7 +616,7 @@ impl Follow {
                 index,
                 Err(format!("its process ended ({status}) before it reported")),
             ),
-            Message::Start { .. } | Message::Abort | Message::Done => {}
+            Message::Start { .. } | Message::Abort | Message::Go => {}
         }
     }
 
@@ -1072,15 +1078,35 @@ pub struct ForkEnd(UnixDatagram);
 impl ForkEnd {
     /// Block until the forking VMM has closed its end of the socket (poll for the hang-up
     /// only: the zygote, which shares this end, reads the messages on it), then close this
-    /// clone's end.
-    pub fn wait(self) {
+    /// clone's end. Returns whether the fork succeeded: the VMM queued [`Message::Go`] before
+    /// closing (it is looked at, not taken: every clone of the fork reads the same queue).
+    /// Without it the forking VMM ended mid-fork, nobody was told of this clone, and it must
+    /// not run.
+    pub fn wait(self) -> bool {
         loop {
             match poll(&[(self.0.as_raw_fd(), 0)], Duration::MAX) {
-                Ok(revents) if revents[0] != 0 => return,
+                Ok(revents) if revents[0] != 0 => break,
                 Ok(_) => {}
-                Err(_) => return,
+                // Not knowing is no answer: look again (poll fails only for want of memory).
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
             }
         }
+        let mut buf = [0u8; 64];
+        // SAFETY: recv into a local buffer of its length, on a socket this value owns.
+        let len = unsafe {
+            libc::recv(
+                self.0.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        usize::try_from(len).is_ok_and(|len| {
+            matches!(
+                serde_json::from_slice::<Message>(&buf[..len.min(buf.len())]),
+                Ok(Message::Go)
+            )
+        })
     }
 }
 
@@ -1203,8 +1229,6 @@ pub fn serve(state_fd: RawFd, memory_fd: RawFd, socket_fd: RawFd, clone_main: Cl
                 abort(&mut children);
                 return 1;
             }
-            // Its clones are ready and no longer die with it.
-            Ok(Message::Done) => return 0,
             _ => {
                 if let Some(index) = index_of_bad_request(&buf[..len]) {
                     let reason = "its request to the zygote did not parse".to_string();

@@ -1,16 +1,20 @@
-//! The seccomp filters' BPF, laid out by mayfly: one comparison per allowed system call.
+//! The seccomp filters' BPF, laid out by mayfly: the allowed system calls as a search tree.
 //!
 //! seccompiler (whose `sock_filter`, `BpfProgram` and `apply_filter` this uses) lays out five
-//! instructions for every allowed call (compare, two jumps, two returns), and the kernel's
-//! cost of taking a filter grows with its length: it checks, converts and JIT-compiles the
-//! program for every thread that installs it. Measured on this host's KVM (20 installs each,
-//! median): 10 instructions 13 µs, 155 98 µs, 305 181 µs, 605 349 µs, about 0.56 µs an
-//! instruction. A fork's clone of the probe guest installed five filters (its vCPU, two device
-//! threads, the control socket, the console input) of 240 to 330 instructions with
-//! seccompiler's layout: 0.6-0.7 ms of a clone's ~1.9 ms (`probe --fork-only`,
-//! `MAYFLY_SECCOMP=off` against `on`). Laid out here, the filters are 60 to 100 instructions
-//! (0.2-0.3 ms for a clone's six: those five and its wait for the fork's end; a Linux clone's
-//! guest refresh makes seven), and evaluate fewer instructions on every system call besides.
+//! instructions for every allowed call (compare, two jumps, two returns), one after the other.
+//! What a filter costs a thread that installs it, on this host's KVM: the kernel checks,
+//! converts and JIT-compiles the program, and then, with interrupts off, runs it once for
+//! every system call number to cache the calls it allows whatever their arguments. That walk
+//! grows with the number of instructions a call number goes through before its answer, so with
+//! a list it grew with the list: measured (20 installs each, median) 10 instructions 13 µs,
+//! 155 98 µs, 305 181 µs, 605 349 µs, and in a fork's perf profile the install under the
+//! signal lock (`do_seccomp`) took 10.7% of all samples against 0.6% for the JIT. A probe
+//! clone installs six filters (its vCPU, two device threads, the control socket, the console
+//! input, its wait for the fork's end). With seccompiler's layout (240-330 instructions)
+//! they cost a clone 0.6-0.7 ms of its ~1.9 ms; as one `jeq` per allowed call (60-100
+//! instructions, up to ~75 run for a call number) about 0.09 ms a thread; as this tree
+//! (78-120 instructions, at most 16-23 run for any call number) about 0.04 ms a thread
+//! (`probe --fork-only`: each helper thread's CPU time, `MAYFLY_SECCOMP=off` against on).
 //!
 //! The program, for x86-64:
 //!
@@ -23,8 +27,9 @@
 //!                      ret match
 //!       ret mismatch
 //!   for each refused call:  jeq call ? next : past;  ret its action (an errno)
-//!   for each allowed call:  jeq call ? ALLOW : next
-//!   ret mismatch
+//!   the allowed calls, sorted: jge middle ? right half : left half, down to leaves of at
+//!       most four "jeq call ? ALLOW : next" (the last one's "next" is MISMATCH)
+//!   MISMATCH: ret mismatch
 //!   ALLOW: ret match
 //! ```
 //!
@@ -40,6 +45,8 @@ const BPF_LD_W_ABS: u16 = 0x20;
 const BPF_ALU_AND_K: u16 = 0x04 | 0x50;
 /// BPF_JMP | BPF_JEQ | BPF_K.
 const BPF_JMP_JEQ_K: u16 = 0x05 | 0x10;
+/// BPF_JMP | BPF_JGE | BPF_K.
+const BPF_JMP_JGE_K: u16 = 0x05 | 0x30;
 /// BPF_RET | BPF_K.
 const BPF_RET_K: u16 = 0x06;
 
@@ -178,6 +185,60 @@ fn condition(cond: &Cond, fail: usize) -> Result<Vec<sock_filter>, String> {
     Ok(out)
 }
 
+/// Where a jump of the search tree goes.
+#[derive(Clone, Copy, Debug)]
+enum Target {
+    Next,
+    /// An instruction of the tree, by its index in it.
+    At(usize),
+    Allow,
+    Mismatch,
+}
+
+/// One comparison of the search tree.
+struct TreeInsn {
+    code: u16,
+    k: u32,
+    jt: Target,
+    jf: Target,
+}
+
+/// Allowed calls this many or fewer are compared one by one (a leaf of the tree).
+const LEAF: usize = 4;
+
+/// The allowed calls `sorted` as a binary search tree: `jge` on the middle number down to
+/// leaves of at most [`LEAF`] `jeq`s, so any call number is decided in about log2(n/LEAF) +
+/// LEAF comparisons. Why not a list: besides running the filter on every system call, the
+/// kernel runs it once for every call number when a thread installs it (to cache the calls
+/// it allows whatever their arguments), with interrupts off; with one `jeq` per allowed call
+/// that walk was most of what a filter cost a thread (perf: `do_seccomp` 10.7% of a fork's
+/// samples, the JIT 0.6%).
+fn search_tree(sorted: &[u32], out: &mut Vec<TreeInsn>) {
+    if sorted.len() <= LEAF {
+        for (i, &call) in sorted.iter().enumerate() {
+            let last = i + 1 == sorted.len();
+            out.push(TreeInsn {
+                code: BPF_JMP_JEQ_K,
+                k: call,
+                jt: Target::Allow,
+                jf: if last { Target::Mismatch } else { Target::Next },
+            });
+        }
+        return;
+    }
+    let mid = sorted.len() / 2;
+    let at = out.len();
+    out.push(TreeInsn {
+        code: BPF_JMP_JGE_K,
+        k: sorted[mid],
+        jt: Target::Mismatch,
+        jf: Target::Next,
+    });
+    search_tree(&sorted[..mid], out);
+    out[at].jt = Target::At(out.len());
+    search_tree(&sorted[mid..], out);
+}
+
 /// The program for `policy`.
 pub fn compile(policy: &Policy) -> Result<BpfProgram, String> {
     let mut out = vec![
@@ -214,15 +275,30 @@ pub fn compile(policy: &Policy) -> Result<BpfProgram, String> {
         out.push(jump(BPF_JMP_JEQ_K, number(call)?, 0, 1));
         out.push(stmt(BPF_RET_K, action));
     }
-    let count = policy.allow.len();
-    for (i, &call) in policy.allow.iter().enumerate() {
-        // To ALLOW: past the rest of the list and the `ret mismatch`.
-        out.push(jump(
-            BPF_JMP_JEQ_K,
-            number(call)?,
-            distance(count - i, "the list of allowed calls")?,
-            0,
-        ));
+    let mut allowed: Vec<u32> = policy
+        .allow
+        .iter()
+        .map(|&call| number(call))
+        .collect::<Result<_, _>>()?;
+    allowed.sort_unstable();
+    allowed.dedup();
+    let mut tree = Vec::new();
+    search_tree(&allowed, &mut tree);
+    // MISMATCH (`ret mismatch`) right after the tree, ALLOW (`ret match`) after it.
+    let mismatch_at = out.len() + tree.len();
+    for (i, insn) in tree.iter().enumerate() {
+        let at = out.len();
+        let to = |target: Target| -> Result<u8, String> {
+            let position = match target {
+                Target::Next => at + 1,
+                Target::At(index) => mismatch_at - tree.len() + index,
+                Target::Mismatch => mismatch_at,
+                Target::Allow => mismatch_at + 1,
+            };
+            distance(position - (at + 1), "the tree of allowed calls")
+        };
+        debug_assert_eq!(at, mismatch_at - tree.len() + i);
+        out.push(jump(insn.code, insn.k, to(insn.jt)?, to(insn.jf)?));
     }
     out.push(stmt(BPF_RET_K, policy.mismatch));
     out.push(stmt(BPF_RET_K, policy.matched));
@@ -244,6 +320,11 @@ mod tests {
 
     /// Run `program` on one system call, as the kernel would: its return value.
     fn run(program: &[sock_filter], arch: u32, nr: u32, args: [u64; 6]) -> u32 {
+        run_counted(program, arch, nr, args).0
+    }
+
+    /// The return value, and how many instructions ran to reach it.
+    fn run_counted(program: &[sock_filter], arch: u32, nr: u32, args: [u64; 6]) -> (u32, usize) {
         let mut data = [0u8; 64];
         data[0..4].copy_from_slice(&nr.to_le_bytes());
         data[4..8].copy_from_slice(&arch.to_le_bytes());
@@ -252,9 +333,11 @@ mod tests {
         }
         let mut acc = 0u32;
         let mut pc = 0usize;
+        let mut steps = 0usize;
         loop {
             let ins = &program[pc];
             pc += 1;
+            steps += 1;
             match ins.code {
                 BPF_LD_W_ABS => {
                     let at = ins.k as usize;
@@ -272,7 +355,7 @@ mod tests {
                     };
                     pc += usize::from(if taken { ins.jt } else { ins.jf });
                 }
-                BPF_RET_K => return ins.k,
+                BPF_RET_K => return (ins.k, steps),
                 other => panic!("instruction {other:#x} at {}", pc - 1),
             }
         }
@@ -396,13 +479,29 @@ mod tests {
         for &kind in super::super::ThreadKind::ALL.iter() {
             let policy = super::super::policy(kind, super::super::Mode::Enforce);
             same_answers(&policy);
-            // What the layout is for: a filter a third of seccompiler's length, or less.
-            let (ours, theirs) = (compile(&policy).unwrap().len(), reference(&policy).len());
+            // What the layout is for: a short filter (the kernel checks, converts and
+            // compiles every instruction for each thread) that decides any call number in few
+            // steps (the kernel runs it on every call number when a thread installs it).
+            let (ours, theirs) = (compile(&policy).unwrap(), reference(&policy));
+            let most_steps = |program: &[sock_filter]| {
+                (0..500u32)
+                    .map(|nr| run_counted(program, AUDIT_ARCH_X86_64, nr, [0; 6]).1)
+                    .max()
+                    .unwrap()
+            };
+            let (our_steps, their_steps) = (most_steps(&ours), most_steps(&theirs));
             assert!(
-                ours * 3 < theirs,
-                "{kind:?}: {ours} instructions, seccompiler's {theirs}"
+                ours.len() * 2 < theirs.len() && our_steps <= 32,
+                "{kind:?}: {} instructions, at most {our_steps} run (seccompiler's: {}, {their_steps})",
+                ours.len(),
+                theirs.len()
             );
-            eprintln!("{kind:?}: {ours} instructions (seccompiler's layout: {theirs})");
+            eprintln!(
+                "{kind:?}: {} instructions, at most {our_steps} run for a call number \
+                 (seccompiler's layout: {}, {their_steps})",
+                ours.len(),
+                theirs.len()
+            );
         }
     }
 

@@ -242,6 +242,9 @@ const THREADS: &[libc::c_long] = &[libc::SYS_set_robust_list, libc::SYS_rseq];
 /// memory already (a fault that raced with a load).
 const LAZY: &[libc::c_long] = &[libc::SYS_pread64, libc::SYS_mincore];
 
+/// A clone's wait for its fork's end: a look (MSG_PEEK) at the word its fork left queued.
+const FORK_END: &[libc::c_long] = &[libc::SYS_recvfrom];
+
 /// ioctl's request number's type byte for KVM (`KVMIO`).
 const KVMIO: u32 = 0xAE;
 /// ioctl's request number's type byte for userfaultfd (`UFFDIO`).
@@ -256,7 +259,8 @@ fn word(value: impl TryInto<u32>) -> u32 {
 fn policy(kind: ThreadKind, mode: Mode) -> Policy {
     use bpf::{Cond, Guarded};
     let extra: &[&[libc::c_long]] = match kind {
-        ThreadKind::Vcpu | ThreadKind::Device | ThreadKind::Console | ThreadKind::ForkEnd => &[],
+        ThreadKind::Vcpu | ThreadKind::Device | ThreadKind::Console => &[],
+        ThreadKind::ForkEnd => &[FORK_END],
         ThreadKind::BlockDevice => &[BLOCK],
         ThreadKind::VsockDevice => &[SOCKET_CLIENT, SOCKET_SERVER, VSOCK],
         ThreadKind::Api => &[SOCKET_CLIENT, SOCKET_SERVER, THREADS],
