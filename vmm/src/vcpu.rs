@@ -341,7 +341,8 @@ impl Drop for VcpuHandle {
 }
 
 /// Wait while paused (running queued jobs). Returns false when the thread should exit.
-fn obey_control(vcpu: &mut VcpuFd, control: &VcpuControl) -> bool {
+/// `entered`: the vCPU has been in KVM_RUN on this thread, so an exit may be pending.
+fn obey_control(vcpu: &mut VcpuFd, control: &VcpuControl, entered: bool) -> bool {
     let mut state = control.lock();
     loop {
         match state.target {
@@ -356,7 +357,12 @@ fn obey_control(vcpu: &mut VcpuFd, control: &VcpuControl) -> bool {
             Target::Pause => {
                 if !state.paused {
                     drop(state);
-                    complete_pending_io(vcpu);
+                    // A vCPU that never ran here has nothing pending (a restored one starts
+                    // paused: a fork's held clone). Entering KVM_RUN only to leave costs a
+                    // vCPU load on this nested host (its MSRs read through the host).
+                    if entered {
+                        complete_pending_io(vcpu);
+                    }
                     state = control.lock();
                     state.paused = true;
                     control.changed.notify_all();
@@ -407,11 +413,12 @@ fn vcpu_loop(
         _ => breakpoints = None,
     }
     let mut first_run = true;
+    let mut entered = false;
 
     let outcome = match filtered {
         Err(e) => Some(fatal(&vcpu, index, e.to_string())),
         Ok(()) => loop {
-            if !obey_control(&mut vcpu, control) {
+            if !obey_control(&mut vcpu, control, entered) {
                 break None;
             }
             if first_run && index == 0 {
@@ -419,6 +426,7 @@ fn vcpu_loop(
                 first_run = false;
             }
             control.activity.enter();
+            entered = true;
             let result = vcpu.run();
             control.activity.exit(match &result {
                 // SAFETY: reading a plain integer field of this thread's kvm_run mapping.
@@ -517,7 +525,7 @@ fn vcpu_loop(
                 state.target = Target::Pause;
             }
         }
-        while obey_control(&mut vcpu, control) {}
+        while obey_control(&mut vcpu, control, true) {}
     }
     let mut state = control.lock();
     state.exited = true;
