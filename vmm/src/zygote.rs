@@ -1062,8 +1062,8 @@ impl Reporter {
 }
 
 /// A clone's end of its fork's socket, kept once it is ready: the forking VMM closes its own
-/// end once every clone of the fork is ready (and kills them all if one fails), and the clone
-/// is held paused until then.
+/// end once every clone of the fork is ready and its answer is written, with [`Message::Go`]
+/// queued (and kills them all if one fails), and the clone is held paused until then.
 ///
 /// Why: clones that run while the rest of their fork is still being made compete with it for
 /// the host's CPUs. Measured in the test rig (one emulated CPU for L1 and every VM in it), a
