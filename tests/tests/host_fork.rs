@@ -635,7 +635,7 @@ fn clones_ready_when_their_forking_vmm_dies_mid_fork_stop_rather_than_run_unknow
     }
     let log = std::fs::read_to_string(dir.join("orph7-0.log")).unwrap_or_default();
     assert!(
-        log.contains("ended before its fork did"),
+        log.contains("the VMM that forked it ended before its fork did"),
         "clone 0 says why it stopped: {log}"
     );
     drop(parent);

@@ -53,6 +53,13 @@ pub struct Controller {
     held_for_fork: bool,
 }
 
+/// A fork's held clones run once its answer is written (see [`crate::zygote::Release`]).
+impl crate::api::Delivery for crate::zygote::Release {
+    fn delivered(&self) {
+        crate::zygote::Release::delivered(self);
+    }
+}
+
 impl Controller {
     pub fn new(machine: Machine, events: Receiver<VmEvent>, event_sender: Sender<VmEvent>) -> Self {
         Self {

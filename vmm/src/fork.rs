@@ -13,8 +13,10 @@
 //!    making its own KVM VM. Each clone is its own process with its own control socket,
 //!    console and name, an index, a new VM generation ID (its kernel RNG reseeds) and its
 //!    wall clock set from the host.
-//! 4. Wait until every clone reports it is ready (restored, held paused), let them all go at
-//!    once (the fork's socket closes: see [`crate::zygote::ForkEnd`]), resume the parent.
+//! 4. Wait until every clone reports it is ready (restored, held paused), resume the parent,
+//!    answer, and let the clones all go at once once the answer is written (the fork's socket
+//!    closes with a "go" queued: see [`crate::zygote::ForkEnd`] and
+//!    [`crate::zygote::Release`]).
 //!
 //! Why this mechanism, measured in the test rig (benches/results/fork-rig.json, 128 MiB guest):
 //! handing the parent's memfd over as the base freezes it in ~2 ms and the parent then shares

@@ -46,6 +46,15 @@ pub struct Machine {
     pub info: VmInfo,
 }
 
+/// A machine dropped without [`Machine::stop`] (an error after its vCPUs started) still ends
+/// the probe's waits first: its vCPU threads are joined as its fields drop, and a vCPU parked
+/// in a probe wait would hold that up for the wait's whole limit.
+impl Drop for Machine {
+    fn drop(&mut self) {
+        self.devices.probe_waker.hold();
+    }
+}
+
 impl Machine {
     pub fn paused(&self) -> bool {
         self.vm.paused

@@ -890,8 +890,9 @@ fn serve(
             } else {
                 // Nobody was told of this clone: it stops (cleanly, its sockets removed).
                 eprintln!(
-                    "mayfly: the VMM that forked this clone ended before its fork did; \
-                     the clone stops"
+                    "mayfly: this clone's fork did not end well (the VMM that forked it \
+                     ended before its fork did, or the fork's answer reached nobody); the \
+                     clone stops"
                 );
                 let _ = events.send(VmEvent::Signal(libc::SIGTERM));
             }

@@ -15,8 +15,11 @@
 //!    fork), paused, and reports on the socket that it is ready. The zygote sends the forking
 //!    VMM the child's pid with a pidfd: clones are killed by pidfd, never by a pid that may
 //!    have been recycled.
-//! 4. When the forking VMM closes its end (every clone is ready), the zygote exits and every
-//!    clone runs ([`ForkEnd`]); the clones live on.
+//! 4. When every clone is ready, the forking VMM kills the zygote (it has answered every
+//!    request; the clones no longer die with it), writes the fork's answer, then queues
+//!    [`Message::Go`] and closes its end: every clone runs ([`ForkEnd`]) and lives on. A
+//!    clone that sees the end close without the word (the forking VMM died, or its answer
+//!    reached nobody) stops.
 //!
 //! Why, measured on this machine's KVM with the probe guest (benches/results/probe-host.json):
 //! starting every clone as `mayfly restore` of inherited descriptors cost 3.3 ms per clone (100
@@ -322,7 +325,9 @@ pub struct Zygote {
     process: Child,
     /// The zygote's own pidfd: its end is seen at once, whatever it was doing.
     pidfd: OwnedFd,
-    /// Closed first when the fork is done: the end of the stream tells the zygote to exit.
+    /// The forking VMM's end of the fork's socket: taken by [`Zygote::start_clones`] (into
+    /// the [`Release`] of a fork that succeeded); a zygote dropped with it still here sees the
+    /// end of the stream and exits.
     socket: Option<UnixDatagram>,
 }
 
@@ -337,21 +342,61 @@ impl Drop for Zygote {
     }
 }
 
-/// A fork's clones, every one ready and held: they run when this is dropped (the forking VMM's
-/// end of the fork's socket closes, and each clone sees the hang-up; see [`ForkEnd`]). Kept
+/// A fork's clones, every one ready and held: dropped, it lets them go (queues [`Message::Go`]
+/// and closes the forking VMM's end of the fork's socket; each clone sees the hang-up and the
+/// word: see [`ForkEnd`]) if the fork's answer reached its client ([`Release::delivered`]), and
+/// otherwise closes without the word, so that the clones stop: nobody knows of them. Kept
 /// until the fork's answer is written, so that the answer does not wait for the CPU behind
 /// thousands of clones resuming at once; a request into a held clone's guest waits for it.
 #[derive(Debug)]
 pub struct Release {
-    /// Only closed: its end is what the clones wait for.
-    _socket: UnixDatagram,
+    socket: UnixDatagram,
+    delivered: std::sync::atomic::AtomicBool,
+}
+
+impl Release {
+    fn new(socket: UnixDatagram) -> Self {
+        Self {
+            socket,
+            delivered: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// The fork's answer reached its client: the clones may run.
+    pub fn delivered(&self) {
+        self.delivered
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl Drop for Release {
     fn drop(&mut self) {
-        // The word the clones look for once the socket closes (see ForkEnd::wait); a clone
-        // that does not find it stops.
-        send(&self._socket, &Message::Go);
+        // Emptied first: closing an end with messages unread on it (a zygote's `Forked` for a
+        // clone already known by its own `Ready`) makes the first read on the other end fail
+        // once (ECONNRESET), and a clone would take that for a fork without its word.
+        let mut buf = vec![0u8; MAX_MESSAGE];
+        while let Ok(Received::Message(..) | Received::Truncated(_)) =
+            receive(&self.socket, &mut buf)
+        {}
+        if !self.delivered.load(std::sync::atomic::Ordering::SeqCst) {
+            eprintln!(
+                "mayfly: the fork's answer did not reach its client; its clones stop (nobody \
+                 knows of them)"
+            );
+            return;
+        }
+        // The queue the clones read is empty (the zygote took every request): the word goes
+        // at once, or is said not to.
+        let sent = encode(&Message::Go).ok_or_else(|| std::io::Error::other("no encoding"));
+        let sent = sent.and_then(|bytes| {
+            self.socket.set_nonblocking(false)?;
+            self.socket
+                .set_write_timeout(Some(Duration::from_secs(1)))?;
+            self.socket.send(&bytes)
+        });
+        if let Err(err) = sent {
+            eprintln!("mayfly: cannot tell the fork's clones to run ({err}); they stop");
+        }
         crate::trace::event("fork_released");
     }
 }
@@ -465,7 +510,7 @@ impl Zygote {
                 crate::trace::event("fork_zygote_ended");
                 let (infos, pidfds): (Vec<CloneInfo>, Vec<OwnedFd>) = started.into_iter().unzip();
                 reaper::adopt(pidfds);
-                Ok((infos, Release { _socket: socket }))
+                Ok((infos, Release::new(socket)))
             }
             Err((mut err, mut pidfds)) => {
                 // The zygote kills and reaps every clone it made (it is their parent, and may
@@ -1092,21 +1137,34 @@ impl ForkEnd {
             }
         }
         let mut buf = [0u8; 64];
-        // SAFETY: recv into a local buffer of its length, on a socket this value owns.
-        let len = unsafe {
-            libc::recv(
-                self.0.as_raw_fd(),
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        usize::try_from(len).is_ok_and(|len| {
-            matches!(
-                serde_json::from_slice::<Message>(&buf[..len.min(buf.len())]),
-                Ok(Message::Go)
-            )
-        })
+        // A reset is said once, before the queue (an end closed with messages unread on it);
+        // an interruption is no answer either: look again, a few times.
+        for _ in 0..8 {
+            // SAFETY: recv into a local buffer of its length, on a socket this value owns.
+            let len = unsafe {
+                libc::recv(
+                    self.0.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            match usize::try_from(len) {
+                Ok(len) => {
+                    return matches!(
+                        serde_json::from_slice::<Message>(&buf[..len.min(buf.len())]),
+                        Ok(Message::Go)
+                    )
+                }
+                Err(_) => {
+                    let err = std::io::Error::last_os_error();
+                    if !matches!(err.raw_os_error(), Some(libc::ECONNRESET | libc::EINTR)) {
+                        return false;
+                    }
+                }
+            }
+        }
+        false
     }
 }
 
@@ -1714,6 +1772,51 @@ mod tests {
             "nothing was sent (not even an empty message, which reads as the end)"
         );
         stop(zygote);
+    }
+
+    /// The forking VMM's end closed with a message still unread on it: the clones' end says
+    /// ECONNRESET once before its queue, and a clone still finds the word after it.
+    #[test]
+    fn a_clone_finds_the_go_even_when_its_forks_end_closed_with_messages_unread() {
+        let (vmm, clones) = seqpacket_pair().unwrap();
+        // A zygote's late word, never read by the forking VMM.
+        clones
+            .send(&message(&Message::Exited {
+                index: 0,
+                status: "x".into(),
+            }))
+            .unwrap();
+        vmm.send(&message(&Message::Go)).unwrap();
+        drop(vmm);
+        let look = clones.try_clone().unwrap();
+        assert!(ForkEnd(clones).wait(), "the clone found its fork's word");
+        // Looked at, not taken: the next clone finds it too.
+        assert!(ForkEnd(look).wait(), "the next clone found it too");
+    }
+
+    /// A release lets the clones run only if the fork's answer reached its client.
+    #[test]
+    fn clones_run_only_if_their_forks_answer_was_delivered() {
+        for delivered in [true, false] {
+            let (vmm, clones) = seqpacket_pair().unwrap();
+            vmm.set_nonblocking(true).unwrap();
+            clones
+                .send(&message(&Message::Exited {
+                    index: 0,
+                    status: "x".into(),
+                }))
+                .unwrap();
+            let release = Release::new(vmm);
+            if delivered {
+                release.delivered();
+            }
+            drop(release);
+            assert_eq!(ForkEnd(clones).wait(), delivered);
+        }
+        // The forking VMM gone without a word (it died mid-fork): no clone runs.
+        let (vmm, clones) = seqpacket_pair().unwrap();
+        drop(vmm);
+        assert!(!ForkEnd(clones).wait());
     }
 
     #[test]

@@ -281,9 +281,9 @@ struct ForkResult {
     host_kib_per_clone: f64,
     /// CPU time per clone (mean over up to 50 clones), by thread, read from
     /// /proc/PID/task/*/schedstat at once after the fork's answer: what making a clone cost
-    /// each of its threads ("main" is the controller, which makes the VM). The clones were
-    /// let go just before the answer, so vcpu0 also holds the first moments of the guest's run;
-    /// threads that ended (the wait for the fork's end) are not counted.
+    /// each of its threads ("main" is the controller, which makes the VM). The clones go once
+    /// the answer is written, so vcpu0 may also hold the first moments of the guest's run;
+    /// a thread that has ended by then (the wait for the fork's end, often) is not counted.
     cpu_ms_by_thread: std::collections::BTreeMap<String, f64>,
     clones_diverged: bool,
 }

@@ -102,10 +102,27 @@ pub struct Reply {
     pub until_written: UntilWritten,
 }
 
-/// What a reply keeps until it is written: a fork's held clones run when it is dropped, so
-/// that the answer goes out before they all take the CPU. Compares equal to any other.
+/// What a reply keeps until it is written: told that the answer reached the client's socket
+/// (or never told, if it did not), then dropped. A fork's held clones run when it is dropped
+/// after the answer went out (so that the answer goes out before they all take the CPU), and
+/// stop if it never did. Compares equal to any other.
 #[derive(Clone, Default)]
-pub struct UntilWritten(Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>);
+pub struct UntilWritten(Option<std::sync::Arc<dyn Delivery>>);
+
+/// Kept by a reply until it is written (see [`Reply::keeping`]).
+pub trait Delivery: Send + Sync {
+    /// The answer was written whole to the client's socket.
+    fn delivered(&self) {}
+}
+
+impl UntilWritten {
+    /// The answer was written whole: say so to what the reply keeps.
+    pub fn delivered(&self) {
+        if let Some(kept) = &self.0 {
+            kept.delivered();
+        }
+    }
+}
 
 impl std::fmt::Debug for UntilWritten {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -147,8 +164,9 @@ impl Reply {
         }
     }
 
-    /// Keep `value` until this reply has been written (or could not be), then drop it.
-    pub fn keeping(mut self, value: impl std::any::Any + Send + Sync) -> Self {
+    /// Keep `value` until this reply has been written (or could not be), then drop it; it is
+    /// told first if the answer was written ([`Delivery::delivered`]).
+    pub fn keeping(mut self, value: impl Delivery + 'static) -> Self {
         self.until_written = UntilWritten(Some(std::sync::Arc::new(value)));
         self
     }

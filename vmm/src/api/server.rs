@@ -577,9 +577,11 @@ fn serve_connection<E>(
             .into_iter()
             .collect();
         let bytes = http::encode_response(reply.status, reply.body.as_ref(), &headers);
-        let _ = (&stream).write_all(&bytes);
+        if (&stream).write_all(&bytes).is_ok() {
+            reply.until_written.delivered();
+        }
         let _ = stream.shutdown(std::net::Shutdown::Write);
-        // Written: what the reply kept goes now (a fork's clones run).
+        // What the reply kept goes now (a fork's clones run, or stop if nobody got the answer).
         drop(reply);
     }
     lock(&shared.current).remove(&id);

@@ -1024,6 +1024,7 @@ fn what_a_reply_keeps_goes_only_after_the_answer_is_written() {
         client: UnixStream,
         seen: mpsc::Sender<isize>,
     }
+    impl Delivery for Kept {}
     impl Drop for Kept {
         fn drop(&mut self) {
             let mut byte = 0u8;
@@ -1061,7 +1062,7 @@ fn what_a_reply_keeps_goes_only_after_the_answer_is_written() {
     };
     std::thread::spawn(move || {
         if let Ok(Event::Api(call)) = calls.recv() {
-            call.respond(Reply::ok(json!({ "clones": 1 })).keeping(std::sync::Mutex::new(kept)));
+            call.respond(Reply::ok(json!({ "clones": 1 })).keeping(kept));
         }
     });
     let body = br#"{"count": 1}"#;
