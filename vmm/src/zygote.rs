@@ -102,7 +102,8 @@ enum Message {
     /// Zygote → forking VMM: a clone's process ended.
     Exited { index: u32, status: String },
     /// Forking VMM → its clones, as it lets them go: the fork succeeded. A clone that sees the
-    /// forking VMM's end close without this queued (the VMM died mid-fork) stops.
+    /// forking VMM's end close without this queued (the VMM died mid-fork, or its answer
+    /// reached nobody) stops.
     Go,
 }
 
@@ -1125,8 +1126,8 @@ impl ForkEnd {
     /// only: the zygote, which shares this end, reads the messages on it), then close this
     /// clone's end. Returns whether the fork succeeded: the VMM queued [`Message::Go`] before
     /// closing (it is looked at, not taken: every clone of the fork reads the same queue).
-    /// Without it the forking VMM ended mid-fork, nobody was told of this clone, and it must
-    /// not run.
+    /// Without it the forking VMM ended mid-fork or its answer reached nobody: nobody was told
+    /// of this clone, and it must not run.
     pub fn wait(self) -> bool {
         loop {
             match poll(&[(self.0.as_raw_fd(), 0)], Duration::MAX) {
