@@ -386,16 +386,26 @@ impl Prepared {
     pub fn kvm_only(&self) -> Result<(kvm_ioctls::VmFd, Vec<kvm_ioctls::VcpuFd>), RestoreError> {
         let vm_fd = vm::create_vm(&self.kvm, &self.ram)?;
         kvm_state::restore_vm(&vm_fd, &self.state.vm, &self.caps)?;
-        let mut vcpus = Vec::with_capacity(self.state.vcpus.len());
-        for (index, vcpu_state) in self.state.vcpus.iter().enumerate() {
-            let fd = vm_fd
-                .create_vcpu(index as u64)
-                .map_err(kvm_err("create a vCPU"))?;
-            kvm_state::restore_vcpu(&fd, vcpu_state, &self.caps)?;
-            vcpus.push(fd);
-        }
+        let vcpus = restore_vcpus(&vm_fd, &self.state, &self.caps)?;
         Ok((vm_fd, vcpus))
     }
+}
+
+/// Create the snapshot's vCPUs in `vm_fd` and give each its saved state.
+fn restore_vcpus(
+    vm_fd: &kvm_ioctls::VmFd,
+    state: &VmState,
+    caps: &KvmCaps,
+) -> Result<Vec<kvm_ioctls::VcpuFd>, RestoreError> {
+    let mut vcpus = Vec::with_capacity(state.vcpus.len());
+    for (index, vcpu_state) in state.vcpus.iter().enumerate() {
+        let fd = vm_fd
+            .create_vcpu(index as u64)
+            .map_err(kvm_err("create a vCPU"))?;
+        kvm_state::restore_vcpu(&fd, vcpu_state, caps)?;
+        vcpus.push(fd);
+    }
+    Ok(vcpus)
 }
 
 /// Where [`prepare`] asks KVM what it supports.
@@ -613,17 +623,12 @@ pub fn start(
         &config.devices,
     )?;
     trace::event("devices_restored");
-    let mut vcpu_fds = Vec::with_capacity(state.vcpus.len());
-    for (index, vcpu_state) in state.vcpus.iter().enumerate() {
-        let fd = vm_fd
-            .create_vcpu(index as u64)
-            .map_err(kvm_err("create a vCPU"))?;
-        kvm_state::restore_vcpu(&fd, vcpu_state, &caps)?;
-        if caps.has_kvmclock_ctrl {
+    let vcpu_fds = restore_vcpus(&vm_fd, state, &caps)?;
+    if caps.has_kvmclock_ctrl {
+        for fd in &vcpu_fds {
             // EINVAL only means the guest does not use kvmclock.
             let _ = fd.kvmclock_ctrl();
         }
-        vcpu_fds.push(fd);
     }
     trace::event("vcpus_restored");
     // Only now may devices interrupt the guest: before, the vCPU restore would erase it.
