@@ -548,19 +548,6 @@ fn forks_beyond_the_vmms_descriptor_and_cgroup_limits_are_refused_before_any_clo
     parent.wait_exit(TIMEOUT);
 }
 
-/// The processes whose name (comm) is `name`.
-fn processes_named(name: &str) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|entry| entry.file_name().to_string_lossy().parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == name)
-                && alive(*pid)
-        })
-        .collect()
-}
-
 #[test]
 fn clones_ready_when_their_forking_vmm_dies_mid_fork_stop_rather_than_run_unknown() {
     let dir = TestDir::new("fork-orphans");
@@ -601,9 +588,10 @@ fn clones_ready_when_their_forking_vmm_dies_mid_fork_stop_rather_than_run_unknow
         assert!(Instant::now() < deadline, "the fork's clones never started");
         std::thread::sleep(Duration::from_micros(200));
     }
-    let held: Vec<u32> = processes_named("orph7-0")
+    let log = |i: u32| dir.join(&format!("orph7-{i}.log"));
+    let held: Vec<u32> = processes_writing(&log(0))
         .into_iter()
-        .chain(processes_named("orph7-1"))
+        .chain(processes_writing(&log(1)))
         .collect();
     assert_eq!(held.len(), 2, "clones 0 and 1 run as processes");
     // SAFETY: kill(2) of the VMM this test started.
@@ -619,7 +607,7 @@ fn clones_ready_when_their_forking_vmm_dies_mid_fork_stop_rather_than_run_unknow
     loop {
         let left: Vec<(u32, u32)> = (0..count)
             .flat_map(|i| {
-                processes_named(&format!("orph7-{i}"))
+                processes_writing(&log(i))
                     .into_iter()
                     .map(move |pid| (i, pid))
             })
@@ -633,10 +621,10 @@ fn clones_ready_when_their_forking_vmm_dies_mid_fork_stop_rather_than_run_unknow
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    let log = std::fs::read_to_string(dir.join("orph7-0.log")).unwrap_or_default();
+    let said = std::fs::read_to_string(log(0)).unwrap_or_default();
     assert!(
-        log.contains("the VMM that forked it ended before its fork did"),
-        "clone 0 says why it stopped: {log}"
+        said.contains("the VMM that forked it ended before its fork did"),
+        "clone 0 says why it stopped: {said}"
     );
     drop(parent);
 }

@@ -172,18 +172,6 @@ pub struct VcpuHandle {
 }
 
 impl VcpuHandle {
-    /// Start the vCPU's thread; it runs the guest at once when `start` is `Target::Run`.
-    pub fn spawn(
-        index: u8,
-        vcpu: VcpuFd,
-        context: Arc<VcpuContext>,
-        start: Target,
-    ) -> std::io::Result<Self> {
-        let handle = Self::prepare(index, start)?;
-        handle.start(vcpu, context);
-        Ok(handle)
-    }
-
     /// Start the vCPU's thread before its vCPU exists: it installs its seccomp filter at once
     /// and waits for [`VcpuHandle::start`] (or the end, if the VM never comes). A restore
     /// starts its vCPU threads first, so that making a thread and installing its filter

@@ -1140,29 +1140,19 @@ impl ForkEnd {
         let mut buf = [0u8; 64];
         // A reset is said once, before the queue (an end closed with messages unread on it);
         // an interruption is no answer either: look again, a few times.
+        use nix::errno::Errno;
+        use nix::sys::socket::{recv, MsgFlags};
+        let flags = MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT;
         for _ in 0..8 {
-            // SAFETY: recv into a local buffer of its length, on a socket this value owns.
-            let len = unsafe {
-                libc::recv(
-                    self.0.as_raw_fd(),
-                    buf.as_mut_ptr().cast(),
-                    buf.len(),
-                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
-                )
-            };
-            match usize::try_from(len) {
+            match recv(self.0.as_raw_fd(), &mut buf, flags) {
                 Ok(len) => {
                     return matches!(
                         serde_json::from_slice::<Message>(&buf[..len.min(buf.len())]),
                         Ok(Message::Go)
                     )
                 }
-                Err(_) => {
-                    let err = std::io::Error::last_os_error();
-                    if !matches!(err.raw_os_error(), Some(libc::ECONNRESET | libc::EINTR)) {
-                        return false;
-                    }
-                }
+                Err(Errno::ECONNRESET | Errno::EINTR) => {}
+                Err(_) => return false,
             }
         }
         false

@@ -455,7 +455,6 @@ fn bench_fork(
     let Some(listed) = answer["clones"].as_array() else {
         panic!("the fork failed: {answer}");
     };
-    let cpu_ms_by_thread = thread_cpu(listed);
     let clones: Vec<(u32, PathBuf, f64)> = listed
         .iter()
         .map(|c| {
@@ -466,6 +465,7 @@ fn bench_fork(
             )
         })
         .collect();
+    let cpu_ms_by_thread = thread_cpu(sampled(&clones).map(|c| c.0));
     // A clone's stderr (its probe reports) goes to its console log.
     let deadline = std::time::Instant::now() + TIMEOUT;
     let mut first_reports = Vec::new();
@@ -500,9 +500,8 @@ fn bench_fork(
     std::thread::sleep(Duration::from_millis(200));
     let host_kib_per_clone =
         available_before.saturating_sub(mem_available_kib()) as f64 / f64::from(count);
-    let step = clones.len().div_ceil(50).max(1);
     let (mut vmm_pss, mut guest_dirty, mut guest_shared) = (Vec::new(), Vec::new(), Vec::new());
-    for (pid, _, _) in clones.iter().step_by(step) {
+    for (pid, _, _) in sampled(&clones) {
         let Ok(mappings) = smaps(*pid) else { continue };
         // Guest RAM is the one mapping as large as the guest.
         let largest = mappings.iter().map(|m| m.size_kib).max().unwrap_or(0);
@@ -545,19 +544,23 @@ fn bench_fork(
     }
 }
 
-/// Mean CPU time per clone by thread name (see [`ForkResult::cpu_ms_by_thread`]).
-fn thread_cpu(clones: &[serde_json::Value]) -> std::collections::BTreeMap<String, f64> {
-    let step = clones.len().div_ceil(50).max(1);
+/// Up to [`SAMPLED`] of `items`, spread evenly: the clones whose memory and CPU are read.
+fn sampled<T>(items: &[T]) -> impl Iterator<Item = &T> {
+    items.iter().step_by(items.len().div_ceil(SAMPLED).max(1))
+}
+
+const SAMPLED: usize = 50;
+
+/// Mean CPU time per clone by thread name, over the clones `pids` (see
+/// [`ForkResult::cpu_ms_by_thread`]).
+fn thread_cpu(pids: impl Iterator<Item = u32>) -> std::collections::BTreeMap<String, f64> {
     let mut sums: std::collections::BTreeMap<String, f64> = Default::default();
-    let mut sampled = 0u32;
-    for clone in clones.iter().step_by(step) {
-        let Some(pid) = clone["pid"].as_u64() else {
-            continue;
-        };
+    let mut read = 0u32;
+    for pid in pids {
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
             continue;
         };
-        sampled += 1;
+        read += 1;
         for task in tasks.flatten() {
             let path = task.path();
             let Ok(comm) = std::fs::read_to_string(path.join("comm")) else {
@@ -577,7 +580,7 @@ fn thread_cpu(clones: &[serde_json::Value]) -> std::collections::BTreeMap<String
         }
     }
     for value in sums.values_mut() {
-        *value /= f64::from(sampled.max(1));
+        *value /= f64::from(read.max(1));
     }
     sums
 }

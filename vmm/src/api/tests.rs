@@ -1027,27 +1027,22 @@ fn what_a_reply_keeps_goes_only_after_the_answer_is_written() {
     impl Delivery for Kept {}
     impl Drop for Kept {
         fn drop(&mut self) {
-            let mut byte = 0u8;
-            // SAFETY: a peek of one byte into a local buffer, without blocking, on a socket
-            // this value owns.
-            let waiting = unsafe {
-                libc::recv(
-                    std::os::fd::AsRawFd::as_raw_fd(&self.client),
-                    std::ptr::addr_of_mut!(byte).cast(),
-                    1,
-                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
-                )
-            };
-            let _ = self.seen.send(waiting);
+            use nix::sys::socket::{recv, MsgFlags};
+            let mut byte = [0u8; 1];
+            let waiting = recv(
+                std::os::fd::AsRawFd::as_raw_fd(&self.client),
+                &mut byte,
+                MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT,
+            );
+            let _ = self.seen.send(waiting.map_or(-1, |n| n as isize));
         }
     }
     let dir = temp_dir("keeping");
     let (events, calls) = mpsc::channel();
-    let server = ApiServer::start_with(
+    let server = ApiServer::start(
         &dir.join("api.sock"),
         events,
         Event::Api,
-        Timeouts::default(),
         Services::default(),
     )
     .unwrap();
