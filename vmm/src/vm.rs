@@ -47,8 +47,16 @@ pub fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError 
     move |source| VmError::Kvm { what, source }
 }
 
-/// Open the KVM device with errors that say what to do.
+/// Open the KVM device with errors that say what to do, and check it has what mayfly needs.
 pub fn open_kvm() -> Result<Kvm, VmError> {
+    let kvm = open_kvm_device()?;
+    check_kvm(&kvm)?;
+    Ok(kvm)
+}
+
+/// Open the KVM device without asking it anything yet (see [`check_kvm`]): a restore makes
+/// its VM on one thread while another checks KVM.
+pub fn open_kvm_device() -> Result<Kvm, VmError> {
     let path = kvm_device_path();
     let shown = path.display().to_string();
     let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| {
@@ -56,7 +64,7 @@ pub fn open_kvm() -> Result<Kvm, VmError> {
             path: shown.clone(),
         }
     })?;
-    let kvm = Kvm::new_with_path(cpath).map_err(|source| match source.errno() {
+    Kvm::new_with_path(cpath).map_err(|source| match source.errno() {
         libc::ENOENT => VmError::NoKvm {
             path: shown.clone(),
         },
@@ -67,7 +75,11 @@ pub fn open_kvm() -> Result<Kvm, VmError> {
             path: shown.clone(),
             source,
         },
-    })?;
+    })
+}
+
+/// Check that an open KVM has what mayfly needs.
+pub fn check_kvm(kvm: &Kvm) -> Result<(), VmError> {
     for (cap, name) in [
         (
             Cap::Irqchip,
@@ -84,7 +96,7 @@ pub fn open_kvm() -> Result<Kvm, VmError> {
             return Err(VmError::MissingCapability(name));
         }
     }
-    Ok(kvm)
+    Ok(())
 }
 
 /// Create the VM: memory slots first (adding the first slot after the irqchip costs
