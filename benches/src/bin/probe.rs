@@ -78,6 +78,9 @@ struct Args {
     floor_child: Option<PathBuf>,
     #[arg(long, hide = true)]
     floor_count: Option<u32>,
+    /// Internal: print the time and exit (the launch floor: a static binary's start).
+    #[arg(long, hide = true)]
+    launch_child: bool,
     /// Write the JSON report here instead of stdout.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -163,6 +166,9 @@ fn snapshot(sock: &Path, dir: &Path) -> serde_json::Value {
 }
 
 struct Restored {
+    /// From the launch until mayfly's `main` began (the process's start: exec, loading and
+    /// relocating the binary).
+    main_ms: f64,
     first_kvm_run_ms: f64,
     first_report_ms: f64,
     verified_ms: f64,
@@ -213,6 +219,10 @@ fn restore_once(snap: &Path, mode: &str, extra: &[&str], sock: Option<&Path>) ->
     let total = sum(mappings.iter());
     let ram = sum(mappings.iter().filter(|m| m.size_kib == largest));
     let restored = Restored {
+        main_ms: events
+            .get("main")
+            .map(|&t| ms(launch, t))
+            .unwrap_or(f64::NAN),
         first_kvm_run_ms: events
             .get("first_kvm_run")
             .map(|&t| ms(launch, t))
@@ -231,6 +241,8 @@ struct ModeResult {
     size_mib: u64,
     touch_percent: u64,
     mode: String,
+    /// From the launch until mayfly's `main` began: what starting the process costs.
+    restore_to_main_ms: Stats,
     restore_to_first_instruction_ms: Stats,
     restore_to_first_report_ms: Stats,
     restore_to_all_verified_ms: Stats,
@@ -316,6 +328,31 @@ struct Report {
     restores: Vec<ModeResult>,
     forks: Vec<ForkResult>,
     kvm_floor: Vec<FloorResult>,
+    /// From spawning a process until its `main` began, for a small static program (this
+    /// benchmark, re-run with a flag that exits at once): what any restore that starts a
+    /// process pays before it can do anything (medians over `runs`; `null` with --fork-only).
+    launch_floor_ms: Option<Stats>,
+}
+
+/// The launch floor: spawn this benchmark `runs` times with `--launch-child`, which prints
+/// the time first thing in `main` and exits.
+fn launch_floor(runs: usize) -> Stats {
+    let exe = std::env::current_exe().expect("this benchmark");
+    let samples: Vec<f64> = (0..runs.max(1) * 3)
+        .map(|_| {
+            let launch = monotonic_ns();
+            let out = std::process::Command::new(&exe)
+                .arg("--launch-child")
+                .output()
+                .expect("run this benchmark again");
+            let at: u64 = String::from_utf8_lossy(&out.stdout)
+                .trim()
+                .parse()
+                .expect("the launch child prints the time");
+            ms(launch, at)
+        })
+        .collect();
+    stats(&samples)
 }
 
 fn stats(samples: &[f64]) -> Stats {
@@ -406,6 +443,7 @@ fn bench_restores(
             size_mib: size,
             touch_percent: touch,
             mode: name.to_string(),
+            restore_to_main_ms: pick(|r| r.main_ms),
             restore_to_first_instruction_ms: pick(|r| r.first_kvm_run_ms),
             restore_to_first_report_ms: pick(|r| r.first_report_ms),
             restore_to_all_verified_ms: pick(|r| r.verified_ms),
@@ -784,6 +822,11 @@ fn plot(report: &Report) -> String {
 }
 
 fn main() {
+    // Before anything else, argument parsing included: the launch floor's end.
+    if std::env::args().nth(1).as_deref() == Some("--launch-child") {
+        println!("{}", monotonic_ns());
+        std::process::exit(0);
+    }
     let mut args = Args::parse();
     if let (Some(dir), Some(count)) = (&args.floor_child, args.floor_count) {
         floor_child(dir, count);
@@ -838,6 +881,7 @@ fn main() {
         restores,
         forks,
         kvm_floor,
+        launch_floor_ms: (!args.fork_only).then(|| launch_floor(args.runs)),
     };
     emit_report("probe", &report, args.out.as_deref());
     if let Some(path) = &args.plot {
@@ -859,12 +903,19 @@ fn main() {
             s.memory_bytes_written >> 20
         );
     }
+    if let Some(floor) = &report.launch_floor_ms {
+        eprintln!(
+            "  launch floor (a small static program, spawn → main): median {:.2} ms, min {:.2}",
+            floor.median, floor.min
+        );
+    }
     for m in &report.restores {
         eprintln!(
-            "  restore {:>4} MiB {:>3}% {:<14} first instruction {:>8.2}  first report {:>8.2}  all verified {:>9.2}  VMM RSS {:>6.0} KiB",
+            "  restore {:>4} MiB {:>3}% {:<14} main {:>5.2}  first instruction {:>8.2}  first report {:>8.2}  all verified {:>9.2}  VMM RSS {:>6.0} KiB",
             m.size_mib,
             m.touch_percent,
             m.mode,
+            m.restore_to_main_ms.median,
             m.restore_to_first_instruction_ms.median,
             m.restore_to_first_report_ms.median,
             m.restore_to_all_verified_ms.median,
