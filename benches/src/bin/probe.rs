@@ -166,8 +166,8 @@ fn snapshot(sock: &Path, dir: &Path) -> serde_json::Value {
 }
 
 struct Restored {
-    /// From the launch until mayfly's `main` began (the process's start: exec, loading and
-    /// relocating the binary).
+    /// From the launch until mayfly's restore began (the process's start: exec, loading and
+    /// relocating the binary, parsing its command line).
     main_ms: f64,
     first_kvm_run_ms: f64,
     first_report_ms: f64,
@@ -241,7 +241,8 @@ struct ModeResult {
     size_mib: u64,
     touch_percent: u64,
     mode: String,
-    /// From the launch until mayfly's `main` began: what starting the process costs.
+    /// From the launch until mayfly's restore began (its `main` event, once the command line
+    /// is parsed): what starting the process costs.
     restore_to_main_ms: Stats,
     restore_to_first_instruction_ms: Stats,
     restore_to_first_report_ms: Stats,
