@@ -170,3 +170,27 @@ fn a_network_policy_that_does_not_parse() {
         assert_error(&out, 1, "use none, open, or allow=CIDR[:PORT]");
     }
 }
+
+#[test]
+fn restore_standby_needs_a_socket_and_no_snapshot() {
+    let out = mayfly(&["restore", "--standby"], &[]);
+    assert_error(&out, 2, "--api-sock");
+    let out = mayfly(
+        &["restore", "--standby", "/snap", "--api-sock", "/tmp/s.sock"],
+        &[],
+    );
+    assert_error(&out, 2, "'--standby' cannot be used with '[DIR]'");
+    let out = mayfly(
+        &[
+            "restore",
+            "--standby",
+            "--api-sock",
+            "/tmp/s.sock",
+            "--jail",
+        ],
+        &[],
+    );
+    assert_error(&out, 2, "'--standby' cannot be used with '--jail'");
+    let out = mayfly(&["restore"], &[]);
+    assert_error(&out, 2, "<DIR>");
+}

@@ -95,6 +95,32 @@ fn every_thread_of_a_running_vmm_but_the_controller_is_filtered() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 
+#[test]
+fn a_vmm_standing_by_reads_its_requests_on_a_filtered_thread() {
+    let dir = TestDir::new("seccomp-standby");
+    let sock = dir.join("s.sock");
+    let vmm = Guest::start(&[
+        "restore",
+        "--standby",
+        "--api-sock",
+        &sock.to_string_lossy(),
+        "--console",
+        "/dev/null",
+    ]);
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let standing = loop {
+        let standing = threads(vmm.pid());
+        if standing.iter().any(|(n, _)| n == "api") || std::time::Instant::now() > deadline {
+            break standing;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    // What clients send is read by the thread waiting on the socket, under the control
+    // socket's filter; the controller only gets the snapshot's path from it.
+    assert_eq!(mode_of(&standing, "api"), 2, "{standing:?}");
+    assert_eq!(mode_of(&standing, "mayfly"), 0, "{standing:?}");
+}
+
 /// The seccomp mode of the thread called `name` among `threads`.
 fn mode_of(threads: &[(String, u32)], name: &str) -> u32 {
     threads

@@ -301,7 +301,8 @@ impl Controller {
         }
     }
 
-    fn describe(&self) -> serde_json::Value {
+    /// What `GET /vm` answers.
+    pub fn describe(&self) -> serde_json::Value {
         let m = &self.machine;
         let id = &m.info.identity;
         let vsock = m.devices.vsock();

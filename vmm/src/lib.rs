@@ -46,6 +46,7 @@ pub mod restore;
 pub mod seccomp;
 pub mod serve;
 pub mod snapshot;
+pub mod standby;
 pub mod trace;
 pub mod vcpu;
 pub mod vm;

@@ -163,8 +163,16 @@ struct SnapshotArgs {
 #[derive(Args)]
 struct RestoreArgs {
     /// The snapshot directory.
-    #[arg(value_name = "DIR")]
-    dir: PathBuf,
+    #[arg(value_name = "DIR", required_unless_present = "standby")]
+    dir: Option<PathBuf>,
+    /// Start now and stand by, without a snapshot: KVM opened and probed and a VM made ahead,
+    /// the control socket (--api-sock, required) answering. `PUT /vm/restore {"snapshot":
+    /// "/path/to/snapshot"}` on it restores that snapshot with this command's other options
+    /// and answers once the VM runs; the socket is then the VM's. For programs that keep a
+    /// VMM ready for the next VM to wake: what a restore spends before its snapshot matters
+    /// (starting the process, asking KVM) is done by then. Not with --jail yet.
+    #[arg(long, requires = "api_sock", conflicts_with_all = ["dir", "jail"])]
+    standby: bool,
     /// The VM's name (default: the snapshot's). Its guest reads it with `mayfly-identity`.
     #[arg(long, value_name = "NAME")]
     name: Option<String>,
@@ -802,49 +810,67 @@ fn restore(args: RestoreArgs) -> ExitCode {
 
 fn restore_started(args: RestoreArgs, started: Started) -> ExitCode {
     let Started { signals, ready } = started;
+    let (memory, instance, dir) = match restore_instance(args) {
+        Ok(made) => made,
+        Err(err) => return fail_and_report(ready, err),
+    };
+    let console = instance.console.clone();
+    match dir {
+        Some(dir) => serve(&console, Started { signals, ready }, || {
+            let config = RestoreConfig {
+                source: SnapshotSource::Dir(dir),
+                memory,
+                instance,
+            };
+            restore::restore(config).map_err(Error::Restore)
+        }),
+        None => serve(&console, Started { signals, ready }, || {
+            mayfly_vmm::standby::stand_by(instance, memory).map_err(Error::Restore)
+        }),
+    }
+}
+
+/// What `mayfly restore` makes of its arguments: the memory mode, the instance, and the
+/// snapshot directory (none with --standby: a request names it later).
+fn restore_instance(args: RestoreArgs) -> Result<(MemoryMode, Instance, Option<PathBuf>), String> {
     let memory = match (args.memory, args.no_prefetch) {
         (MemoryMode::Lazy { .. }, true) => MemoryMode::Lazy { prefetch: false },
         (mode, _) => mode,
     };
     if let Some(name) = &args.name {
-        if let Err(err) = identity::check_name(name) {
-            return fail_and_report(ready, err);
-        }
+        identity::check_name(name).map_err(|e| e.to_string())?;
     }
-    let net_policy = match args.net.as_deref().map(mayfly_vmm::net::parse_policy) {
-        None => None,
-        Some(Ok(policy)) => Some(policy),
-        Some(Err(err)) => return fail_and_report(ready, err),
-    };
-    let config = RestoreConfig {
-        source: SnapshotSource::Dir(args.dir.clone()),
-        memory,
-        instance: Instance {
-            origin: format!("restore of {}", args.dir.display()),
-            console: args.console,
-            console_input: args.console_input,
-            api_sock: args.api_sock.clone(),
-            paused: args.paused,
-            name: args.name,
-            clone_of: None,
-            devices: RestoreTargets {
-                vsock_path: beside_socket(args.vsock, args.api_sock.as_deref(), ".vsock"),
-                vsock_cid: None,
-                snapshot_dir: Some(args.dir.clone()),
-                disk_dir: beside_socket(args.disk_dir, args.api_sock.as_deref(), ".disks"),
-                layers_within: args.disk_layers_within,
-                net: mayfly_vmm::net::NetTargets {
-                    settings: args.net_place.settings(),
-                    policy: net_policy,
-                    new_mac: false,
-                },
+    let net_policy = args
+        .net
+        .as_deref()
+        .map(mayfly_vmm::net::parse_policy)
+        .transpose()
+        .map_err(|e| e.to_string())?;
+    let instance = Instance {
+        origin: match &args.dir {
+            Some(dir) => format!("restore of {}", dir.display()),
+            None => "standby".into(),
+        },
+        console: args.console,
+        console_input: args.console_input,
+        api_sock: args.api_sock.clone(),
+        paused: args.paused,
+        name: args.name,
+        clone_of: None,
+        devices: RestoreTargets {
+            vsock_path: beside_socket(args.vsock, args.api_sock.as_deref(), ".vsock"),
+            vsock_cid: None,
+            snapshot_dir: args.dir.clone(),
+            disk_dir: beside_socket(args.disk_dir, args.api_sock.as_deref(), ".disks"),
+            layers_within: args.disk_layers_within,
+            net: mayfly_vmm::net::NetTargets {
+                settings: args.net_place.settings(),
+                policy: net_policy,
+                new_mac: false,
             },
         },
     };
-    let console = config.instance.console.clone();
-    serve(&console, Started { signals, ready }, || {
-        restore::restore(config).map_err(Error::Restore)
-    })
+    Ok((memory, instance, args.dir))
 }
 
 fn fail_and_report(ready: Option<Reporter>, err: impl std::fmt::Display) -> ExitCode {
@@ -1053,6 +1079,7 @@ impl StopSignals {
                     }
                     None => {
                         mayfly_vmm::console::restore_terminal();
+                        mayfly_vmm::standby::remove_socket();
                         eprintln!("mayfly: stopped by signal {sig} before the VM started");
                         std::process::exit(128 + sig);
                     }

@@ -144,6 +144,17 @@ pub struct Claims {
 }
 
 impl Claims {
+    /// Listen on the claimed control socket now, ahead of the VM (a VMM standing by answers
+    /// on it); the VM's control socket serves what is left queued on it.
+    pub fn listen_early(
+        &mut self,
+    ) -> Result<Option<&std::os::unix::net::UnixListener>, RestoreError> {
+        match &mut self.api {
+            Some(claim) => Ok(Some(claim.listen()?)),
+            None => Ok(None),
+        }
+    }
+
     pub fn take(instance: &Instance) -> Result<Self, RestoreError> {
         Ok(Self {
             api: instance
@@ -195,6 +206,8 @@ pub enum RestoreError {
     Api(#[from] crate::api::ApiError),
     #[error("cannot start a vCPU thread: {0}")]
     Thread(std::io::Error),
+    #[error("the control socket failed while standing by for a snapshot: {0}")]
+    Standby(std::io::Error),
     #[error("cannot raise a device interrupt: {0}")]
     Interrupt(std::io::Error),
     #[error(transparent)]
@@ -497,28 +510,76 @@ pub fn prepare(
     // In this order: what is wrong with the snapshot first, then with KVM, whose probe says
     // what is missing when making the VM failed for want of it.
     let (snapshot, ram, vm) = made?;
-    let HostKvm {
-        caps,
-        fingerprint,
-        max_vcpus,
-        supported,
-    } = host?;
+    let host = host?;
     let early_vm = vm.transpose()?;
+    check_against(&snapshot, &host)?;
+    Ok(finish(snapshot, kvm, host, ram, memory, early_vm))
+}
+
+/// KVM opened, asked what it supports and a VM made, before any snapshot is known: what a
+/// VMM standing by holds (see [`crate::standby`]), so that a restore asked of it later
+/// starts with its snapshot.
+pub struct ReadyKvm {
+    kvm: kvm_ioctls::Kvm,
+    host: HostKvm,
+    vm: kvm_ioctls::VmFd,
+}
+
+impl ReadyKvm {
+    pub fn open() -> Result<Self, RestoreError> {
+        let kvm = vm::open_kvm_device()?;
+        let host = probe_kvm(&kvm)?;
+        let vm = vm::create_bare_vm(&kvm)?;
+        Ok(Self { kvm, host, vm })
+    }
+}
+
+/// Steps 1 and 2 with KVM ready ahead: read and check the snapshot, map guest RAM and finish
+/// the VM made ahead. The VM is used up whether this succeeds or not.
+pub fn prepare_ready(
+    source: SnapshotSource,
+    memory: MemoryMode,
+    layers_within: Option<&Path>,
+    ready: ReadyKvm,
+) -> Result<Prepared, RestoreError> {
+    let ReadyKvm { kvm, host, vm } = ready;
+    let mut snapshot = load(source, layers_within)?;
+    trace::event("state_loaded");
+    check_against(&snapshot, &host)?;
+    let ram = map_ram(&mut snapshot, memory)?;
+    let vm = vm::finish_vm(vm, &ram)?;
+    Ok(finish(snapshot, kvm, host, ram, memory, Some(vm)))
+}
+
+/// Check a loaded snapshot against this host's KVM.
+fn check_against(snapshot: &LoadedSnapshot, host: &HostKvm) -> Result<(), RestoreError> {
     let state = &snapshot.state;
     // The fingerprint includes KVM's XSAVE layout: compared once KVM is open.
-    let differences = snapshot.header.fingerprint.differences(&fingerprint);
+    let differences = snapshot.header.fingerprint.differences(&host.fingerprint);
     if !differences.is_empty() {
         return Err(RestoreError::Fingerprint(differences.join("; ")));
     }
-    if usize::from(state.vcpu_count) > max_vcpus {
+    if usize::from(state.vcpu_count) > host.max_vcpus {
         return Err(RestoreError::Inconsistent(format!(
             "{} vCPUs, more than KVM here allows",
             state.vcpu_count
         )));
     }
     for vcpu in &state.vcpus {
-        kvm_state::check_cpuid(&vcpu.cpuid, &supported)?;
+        kvm_state::check_cpuid(&vcpu.cpuid, &host.supported)?;
     }
+    Ok(())
+}
+
+/// The end of steps 1 and 2: guard the memory file, and keep what starting needs.
+fn finish(
+    snapshot: LoadedSnapshot,
+    kvm: kvm_ioctls::Kvm,
+    host: HostKvm,
+    ram: GuestRam,
+    memory: MemoryMode,
+    early_vm: Option<kvm_ioctls::VmFd>,
+) -> Prepared {
     // A memory file that changes under a copy-on-write VM changes the guest's memory: lease
     // or seal it, so that the VM stops first (see GuestRam::protect_backing).
     let memory_protection = ram.protect_backing();
@@ -532,15 +593,15 @@ pub fn prepare(
             snapshot.memory_path
         );
     }
-    Ok(Prepared {
+    Prepared {
         state: snapshot.state,
         kvm,
-        caps,
+        caps: host.caps,
         ram,
         memory,
         memory_protection,
         early_vm,
-    })
+    }
 }
 
 /// Map a loaded snapshot's guest RAM as `memory` asks.

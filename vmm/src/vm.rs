@@ -102,11 +102,23 @@ pub fn check_kvm(kvm: &Kvm) -> Result<(), VmError> {
 /// Create the VM: memory slots first (adding the first slot after the irqchip costs
 /// milliseconds on some hosts), then the in-kernel PIC/IOAPIC/LAPIC and PIT.
 pub fn create_vm(kvm: &Kvm, ram: &GuestRam) -> Result<VmFd, VmError> {
+    finish_vm(create_bare_vm(kvm)?, ram)
+}
+
+/// The part of [`create_vm`] that needs no guest memory: the VM itself and the two addresses
+/// KVM needs before any vCPU (a VMM standing by makes it before it knows its snapshot).
+pub fn create_bare_vm(kvm: &Kvm) -> Result<VmFd, VmError> {
     let vm = kvm.create_vm().map_err(kvm_err("create a VM"))?;
     vm.set_tss_address(KVM_TSS_ADDR)
         .map_err(kvm_err("set the TSS address"))?;
     vm.set_identity_map_address(KVM_IDENTITY_MAP_ADDR)
         .map_err(kvm_err("set the identity map address"))?;
+    Ok(vm)
+}
+
+/// The rest of [`create_vm`], on a VM from [`create_bare_vm`]: guest memory, then the
+/// interrupt controllers and the PIT.
+pub fn finish_vm(vm: VmFd, ram: &GuestRam) -> Result<VmFd, VmError> {
     register_memory(&vm, ram)?;
     vm.create_irq_chip()
         .map_err(kvm_err("create the in-kernel interrupt controllers"))?;

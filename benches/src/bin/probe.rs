@@ -186,24 +186,41 @@ fn vmm_pid(pid: u32) -> u32 {
         .unwrap_or(pid)
 }
 
+/// Restore `snap` with `--memory mode` and `extra` options; with `--standby` among them, start
+/// the VMM standing by on `sock` and time from the restore request instead of the launch.
 fn restore_once(snap: &Path, mode: &str, extra: &[&str], sock: Option<&Path>) -> (Restored, Guest) {
-    let launch = monotonic_ns();
-    let snap = snap.to_string_lossy();
+    let standby = extra.contains(&"--standby");
+    let mut launch = monotonic_ns();
+    let snap_arg = snap.to_string_lossy();
     let sock_arg = sock.map(|s| s.to_string_lossy().into_owned());
-    let mut args = vec![
-        "restore",
-        &snap,
-        "--memory",
-        mode,
-        "--console",
-        "/dev/null",
-        "--trace",
-    ];
+    let mut args = vec!["restore"];
+    if !standby {
+        args.push(&snap_arg);
+    }
+    args.extend_from_slice(&["--memory", mode, "--console", "/dev/null", "--trace"]);
     args.extend_from_slice(extra);
     if let Some(sock) = &sock_arg {
         args.extend_from_slice(&["--api-sock", sock]);
     }
     let guest = Guest::start(&args);
+    if standby {
+        assert!(
+            guest.wait_stderr("mayfly-trace: standing_by", TIMEOUT),
+            "the VMM never stood by: {}",
+            guest.stderr()
+        );
+        let sock = sock.expect("a VMM standing by has a socket");
+        launch = monotonic_ns();
+        let (status, body) = api::request_with_timeout(
+            sock,
+            "PUT",
+            "/vm/restore",
+            Some(&serde_json::json!({ "snapshot": snap })),
+            TIMEOUT,
+        )
+        .expect("the VMM standing by answers");
+        assert_eq!(status, 200, "{body}");
+    }
     assert!(
         guest.wait_stderr("mayfly-probe: verified", TIMEOUT),
         "the restored probe never verified its pages: {}",
@@ -219,8 +236,10 @@ fn restore_once(snap: &Path, mode: &str, extra: &[&str], sock: Option<&Path>) ->
     let total = sum(mappings.iter());
     let ram = sum(mappings.iter().filter(|m| m.size_kib == largest));
     let restored = Restored {
+        // Standing by, the process started long before the request.
         main_ms: events
             .get("main")
+            .filter(|_| !standby)
             .map(|&t| ms(launch, t))
             .unwrap_or(f64::NAN),
         first_kvm_run_ms: events
@@ -242,7 +261,8 @@ struct ModeResult {
     touch_percent: u64,
     mode: String,
     /// From the launch until mayfly's restore began (its `main` event, once the command line
-    /// is parsed): what starting the process costs.
+    /// is parsed): what starting the process costs. For "cow standby" (a VMM standing by,
+    /// started before) none, and the times that follow count from the restore request.
     restore_to_main_ms: Stats,
     restore_to_first_instruction_ms: Stats,
     restore_to_first_report_ms: Stats,
@@ -401,8 +421,12 @@ fn bench_restores(
 
     // "cow+jail": the same restore as "cow" with the VMM jailed (vmm/src/jail.rs): what the
     // jail costs a restore.
-    let modes: [(&str, &str, &Path, &[&str]); 5] = [
+    // "cow standby": the same restore asked of a VMM already standing by
+    // (`mayfly restore --standby`, vmm/src/standby.rs), timed from the request.
+    let standby_sock = dir.join("standby.sock");
+    let modes: [(&str, &str, &Path, &[&str]); 6] = [
         ("cow", "cow", &snap, &[]),
+        ("cow standby", "cow", &snap, &["--standby"]),
         ("cow+jail", "cow", &snap, &["--jail"]),
         ("lazy", "lazy", &snap, &["--no-prefetch"]),
         ("lazy+prefetch", "lazy", &ws_snap, &[]),
@@ -414,7 +438,10 @@ fn bench_restores(
         eprintln!("probe bench: {size} MiB, {touch}% touched, restore {name}");
         let runs: Vec<Restored> = (0..args.runs)
             .map(|_| {
-                let (r, mut g) = restore_once(path, mode, extra, None);
+                let sock = extra
+                    .contains(&"--standby")
+                    .then_some(standby_sock.as_path());
+                let (r, mut g) = restore_once(path, mode, extra, sock);
                 g.signal(libc::SIGKILL);
                 g.wait_exit(TIMEOUT);
                 r

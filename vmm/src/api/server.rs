@@ -135,6 +135,7 @@ impl ApiServer {
             request: timeouts.request.max(floor),
             reply: timeouts.reply.max(floor),
         };
+        let mut claim = claim;
         let listener = claim.bind()?;
         let shared = Arc::new(Shared {
             stopping: AtomicBool::new(false),
@@ -233,6 +234,8 @@ impl Drop for ApiServer {
 pub struct SocketClaim {
     path: PathBuf,
     lock: Option<socket::PathLock>,
+    /// Bound ahead by [`SocketClaim::listen`].
+    listener: Option<UnixListener>,
 }
 
 impl std::fmt::Debug for SocketClaim {
@@ -311,15 +314,29 @@ impl SocketClaim {
         Ok(Self {
             path: path.to_path_buf(),
             lock: Some(lock),
+            listener: None,
         })
+    }
+
+    /// Listen on the claimed path now (as [`SocketClaim::bind`]); the server started on this
+    /// claim later serves the same socket, connections still queued on it included.
+    pub fn listen(&mut self) -> Result<&UnixListener, ApiError> {
+        if self.listener.is_none() {
+            self.listener = Some(self.bind()?);
+        }
+        Ok(self.listener.as_ref().expect("bound just now"))
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Listen on the claimed path (mode 0600 from the first instant).
-    pub(crate) fn bind(&self) -> Result<UnixListener, ApiError> {
+    /// Listen on the claimed path (mode 0600 from the first instant), or take the listener
+    /// [`SocketClaim::listen`] bound.
+    pub(crate) fn bind(&mut self) -> Result<UnixListener, ApiError> {
+        if let Some(listener) = self.listener.take() {
+            return Ok(listener);
+        }
         let shown = self.path.display().to_string();
         let listener = socket::bind_private(&self.path).map_err(|e| match e.raw_os_error() {
             Some(libc::EADDRINUSE) => ApiError::InUse {
@@ -353,6 +370,11 @@ impl SocketClaim {
 
 impl Drop for SocketClaim {
     fn drop(&mut self) {
+        // Bound ahead and never served: the socket file goes with it (under the lock, which
+        // no other process holds, so the file is this one's).
+        if self.listener.take().is_some() {
+            let _ = std::fs::remove_file(&self.path);
+        }
         if let Some(lock) = self.lock.take() {
             lock.release();
         }

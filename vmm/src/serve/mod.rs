@@ -154,7 +154,7 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
         &config.policy,
     )?);
     manager.recover();
-    let claim = crate::api::SocketClaim::new(&config.sock)?;
+    let mut claim = crate::api::SocketClaim::new(&config.sock)?;
     let listener = claim.bind()?;
     // The socket file this manager made: at the end it removes that one only, never one a
     // newer manager bound at the same path meanwhile.
