@@ -1,5 +1,6 @@
 //! One request on the control socket, as the server reads it: the request line, headers,
-//! body framing (Content-Length, chunked), then the route and its JSON arguments. Anyone who
+//! body framing (Content-Length, chunked), then the route and its JSON arguments; and the same
+//! request as a VMM standing by for a snapshot reads it. Anyone who
 //! can reach the socket writes these bytes; a bad request gets an error status, never a
 //! panic, and never an allocation it asked for.
 #![no_main]
@@ -18,15 +19,22 @@ fuzz_target!(|data: &[u8]| {
     if data.len() > MAX_INPUT {
         return;
     }
-    let (mut client, server) = UnixStream::pair().expect("a socket pair");
-    // The whole request, then end of stream: the reader never waits for more.
-    if client.write_all(data).is_err() {
-        return;
+    // The same bytes to a VM's control socket and to a VMM standing by (`restore --standby`).
+    for standby in [false, true] {
+        let (mut client, server) = UnixStream::pair().expect("a socket pair");
+        // The whole request, then end of stream: the reader never waits for more.
+        if client.write_all(data).is_err() {
+            return;
+        }
+        let _ = client.shutdown(std::net::Shutdown::Write);
+        if standby {
+            let _ = mayfly_vmm::standby::route(&server);
+        } else {
+            let _ = mayfly_vmm::api::read_and_route(
+                &server,
+                Duration::from_millis(100),
+                Duration::from_millis(500),
+            );
+        }
     }
-    let _ = client.shutdown(std::net::Shutdown::Write);
-    let _ = mayfly_vmm::api::read_and_route(
-        &server,
-        Duration::from_millis(100),
-        Duration::from_millis(500),
-    );
 });

@@ -216,8 +216,9 @@ pub fn next_restore(listener: &UnixListener) -> std::io::Result<RestoreRequest> 
 }
 
 /// Read one request from `stream` and answer it, unless it is a valid restore request: then
-/// its snapshot directory, left for the caller to answer.
-fn route(stream: &UnixStream) -> Option<PathBuf> {
+/// its snapshot directory, left for the caller to answer. (Public for the `api_request` fuzz
+/// target, which feeds it what it feeds the VM's own control socket.)
+pub fn route(stream: &UnixStream) -> Option<PathBuf> {
     let request = match http::read_request(stream, IDLE_TIMEOUT, REQUEST_TIMEOUT, |_, _| false) {
         Ok(request) => request,
         Err(Refusal::Silent) => return None,
