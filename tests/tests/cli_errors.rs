@@ -194,3 +194,12 @@ fn restore_standby_needs_a_socket_and_no_snapshot() {
     let out = mayfly(&["restore"], &[]);
     assert_error(&out, 2, "<DIR>");
 }
+
+#[test]
+fn a_missing_snapshot_is_said_before_a_missing_kvm() {
+    let out = mayfly(
+        &["restore", "/nonexistent/snapshot"],
+        &[("MAYFLY_KVM_DEVICE", "/nonexistent/kvm")],
+    );
+    assert_error(&out, 1, "cannot open /nonexistent/snapshot");
+}

@@ -668,7 +668,7 @@ fn start_clone(prepared: restore::Prepared, instance: Instance, report: Reporter
     let started = std::time::Instant::now();
     let console = instance.console.clone();
     with_stop_signals(Some(report), |signals| {
-        serve(&console, signals, || {
+        serve(&console, signals, Raw::BeforeStart, || {
             let claims = restore::Claims::take(&instance).map_err(Error::Restore)?;
             let mut controller =
                 restore::start(prepared, instance, claims, started).map_err(Error::Restore)?;
@@ -785,7 +785,7 @@ fn run(args: RunArgs) -> ExitCode {
     }
     with_stop_signals(None, |started| {
         let console = config.console.clone();
-        serve(&console, started, || {
+        serve(&console, started, Raw::BeforeStart, || {
             boot::boot(&config).map_err(Error::Boot)
         })
     })
@@ -816,17 +816,25 @@ fn restore_started(args: RestoreArgs, started: Started) -> ExitCode {
     };
     let console = instance.console.clone();
     match dir {
-        Some(dir) => serve(&console, Started { signals, ready }, || {
-            let config = RestoreConfig {
-                source: SnapshotSource::Dir(dir),
-                memory,
-                instance,
-            };
-            restore::restore(config).map_err(Error::Restore)
-        }),
-        None => serve(&console, Started { signals, ready }, || {
-            mayfly_vmm::standby::stand_by(instance, memory).map_err(Error::Restore)
-        }),
+        Some(dir) => serve(
+            &console,
+            Started { signals, ready },
+            Raw::BeforeStart,
+            || {
+                let config = RestoreConfig {
+                    source: SnapshotSource::Dir(dir),
+                    memory,
+                    instance,
+                };
+                restore::restore(config).map_err(Error::Restore)
+            },
+        ),
+        None => serve(
+            &console,
+            Started { signals, ready },
+            Raw::OnceRunning,
+            || mayfly_vmm::standby::stand_by(instance, memory).map_err(Error::Restore),
+        ),
     }
 }
 
@@ -880,14 +888,26 @@ fn fail_and_report(ready: Option<Reporter>, err: impl std::fmt::Display) -> Exit
     fail(err)
 }
 
+/// When a console on stdio puts the terminal in raw mode.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Raw {
+    /// Before the VM starts: the guest's first output and input find it raw.
+    BeforeStart,
+    /// Once it runs: for a VMM standing by, which may wait for its snapshot for hours (a raw
+    /// terminal would swallow Ctrl-C meanwhile and queue keystrokes for a guest not yet there).
+    OnceRunning,
+}
+
 /// Start a VM with `start` and run it until it ends; the process exit status says how.
 fn serve(
     console: &Console,
     started: Started,
+    raw: Raw,
     start: impl FnOnce() -> Result<Controller, Error>,
 ) -> ExitCode {
     let Started { signals, ready } = started;
-    let raw_terminal = (*console == Console::Stdio)
+    let stdio = *console == Console::Stdio;
+    let mut raw_terminal = (stdio && raw == Raw::BeforeStart)
         .then(RawTerminal::stdin)
         .flatten();
     let controller = match start() {
@@ -897,6 +917,9 @@ fn serve(
             return fail_and_report(ready, err);
         }
     };
+    if stdio && raw == Raw::OnceRunning {
+        raw_terminal = RawTerminal::stdin();
+    }
     trace::event("vcpus_started");
     if let Some(ready) = ready {
         let Some(fork_end) = ready.ready() else {

@@ -387,12 +387,13 @@ pub struct Prepared {
     state: VmState,
     kvm: kvm_ioctls::Kvm,
     caps: KvmCaps,
+    /// The VM, already made with [`Probe::Beside`] (never with [`Probe::Inline`], so a
+    /// zygote's `Prepared` holds none: a VM does not cross fork). Before `ram`: fields drop
+    /// in order, and the VM's memory slot must go before the mapping behind it.
+    early_vm: Option<kvm_ioctls::VmFd>,
     ram: GuestRam,
     memory: MemoryMode,
     memory_protection: crate::memory::BackingProtection,
-    /// The VM, already made with [`Probe::Beside`] (never with [`Probe::Inline`], so a
-    /// zygote's `Prepared` holds none: a VM does not cross fork).
-    early_vm: Option<kvm_ioctls::VmFd>,
 }
 
 impl Prepared {
@@ -469,7 +470,14 @@ pub fn prepare(
     layers_within: Option<&Path>,
     probe: Probe,
 ) -> Result<Prepared, RestoreError> {
-    let kvm = vm::open_kvm_device()?;
+    // A host without KVM still hears first of what is wrong with the snapshot.
+    let kvm = match vm::open_kvm_device() {
+        Ok(kvm) => kvm,
+        Err(no_kvm) => {
+            load(source, layers_within)?;
+            return Err(no_kvm.into());
+        }
+    };
     // KVM is asked what it supports on a thread of its own while this one reads the state
     // file, maps guest RAM and makes the VM: neither needs the other, and on this host each
     // takes most of a millisecond (KVM's supported CPUID runs the host's CPUID many times,
@@ -478,23 +486,30 @@ pub fn prepare(
     // interleaved restores of a 128 MiB probe): the VM made after both, 4.82 ms; made
     // beside the probe, 4.25 ms.
     // The snapshot is checked against KVM once both are done: what was made before a check
-    // fails is nothing anyone sees, and is dropped.
+    // fails is nothing anyone sees, and is dropped. Not an eager restore's memory: it reads
+    // the whole memory file, which a snapshot refused on its CPU must not cost (and its
+    // tens of milliseconds dwarf what making the VM beside the probe saves).
+    let early = probe == Probe::Beside && memory != MemoryMode::Eager;
     let (made, host) = std::thread::scope(|scope| {
-        let host = match probe {
-            Probe::Beside => std::thread::Builder::new()
+        let host = if early {
+            std::thread::Builder::new()
                 .name("kvm-probe".into())
                 .stack_size(crate::HELPER_THREAD_STACK)
                 .spawn_scoped(scope, || probe_kvm(&kvm))
-                .ok(),
-            Probe::Inline => None,
+                .ok()
+        } else {
+            None
         };
+        // Only beside a probe thread: a zygote's (Inline) must hold no VM.
         let beside = host.is_some();
         let made = load(source, layers_within).and_then(|mut snapshot| {
             trace::event("state_loaded");
+            if !beside {
+                return Ok((snapshot, None));
+            }
             let ram = map_ram(&mut snapshot, memory)?;
-            // Only beside a probe thread: a zygote's (Inline) must hold no VM.
-            let vm = beside.then(|| vm::create_vm(&kvm, &ram));
-            Ok((snapshot, ram, vm))
+            let vm = vm::create_vm(&kvm, &ram);
+            Ok((snapshot, Some((ram, vm))))
         });
         let host = match host {
             Some(thread) => thread.join().unwrap_or_else(|_| {
@@ -502,17 +517,21 @@ pub fn prepare(
                     "the thread asking KVM what it supports failed",
                 )))
             }),
-            // Inline, or no thread to be had: probe here.
+            // Inline, an eager restore, or no thread to be had: probe here.
             None => probe_kvm(&kvm),
         };
         (made, host)
     });
     // In this order: what is wrong with the snapshot first, then with KVM, whose probe says
-    // what is missing when making the VM failed for want of it.
-    let (snapshot, ram, vm) = made?;
+    // what is missing when making the VM failed for want of it, then the snapshot against
+    // this KVM.
+    let (mut snapshot, made) = made?;
     let host = host?;
-    let early_vm = vm.transpose()?;
     check_against(&snapshot, &host)?;
+    let (ram, early_vm) = match made {
+        Some((ram, vm)) => (ram, Some(vm?)),
+        None => (map_ram(&mut snapshot, memory)?, None),
+    };
     Ok(finish(snapshot, kvm, host, ram, memory, early_vm))
 }
 

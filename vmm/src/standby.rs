@@ -14,17 +14,22 @@
 //! It restores that snapshot with the options it was started with and answers once the VM
 //! runs (200, the body of `GET /vm`); from then on the socket is the VM's control socket like
 //! any other (requests sent meanwhile wait in its queue). Before that it answers `GET /vm`
-//! with `{"state": "standby"}` and anything else with 409. A snapshot it cannot restore gets
-//! its error (400, or 500 for a fault of this host's KVM) and the VMM stands by again; a
-//! failure once the VM has begun to be made ends the process (nothing half-made is kept).
+//! with `{"state": "standby"}` and anything else with 409. A snapshot it cannot read, check,
+//! map or make a VM for gets its error (400, or 500 for a fault of this host) and the VMM
+//! stands by again, with KVM made ready anew; a failure once the VM's devices and vCPUs are
+//! being made ends the process (status 1; nothing half-made is kept), as does KVM that
+//! cannot be made ready again.
 //!
 //! The same idea as the fork's zygote (see [`crate::zygote`]): the process exists before it
 //! is needed, and a request only brings it what differs. It pays for embedders that keep one
 //! VMM standing by per VM they are about to wake; a restore typed on the command line still
 //! starts a process.
 //!
-//! Requests are served one at a time, each with a short deadline ([`REQUEST_TIMEOUT`]), so a
-//! client that connects and sends nothing holds the restore back by at most that.
+//! Requests are served one at a time, each within [`IDLE_TIMEOUT`] between pieces and
+//! [`REQUEST_TIMEOUT`] in all: N clients that connect first and send nothing hold a restore
+//! back by N × [`IDLE_TIMEOUT`]. The socket is its user's alone (0600), and a process of that
+//! user can stop the VMM anyway; the VM's own control socket, once it runs, serves
+//! connections side by side.
 
 use std::io::Write;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -46,36 +51,57 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 /// The largest body a restore request may have.
 const MAX_BODY: usize = 16 << 10;
 
-/// The control socket of this process while it stands by (the socket file is its own: it
-/// holds the path's lock), for [`remove_socket`].
-static STANDING_BY: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+/// The files of this process's control socket while it stands by (the socket and the lock
+/// files of its claims: all its own, as it holds the locks), for [`remove_socket`].
+static STANDING_BY: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
 
-fn standing_by() -> std::sync::MutexGuard<'static, Option<PathBuf>> {
+fn standing_by() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
     STANDING_BY
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Marks the process as standing by on a socket, until dropped.
+/// Marks the process as standing by, until dropped (an error: the claims, dropped with it,
+/// remove their files themselves) or kept (the VM runs).
 struct StandingBy;
 
 impl StandingBy {
-    fn on(socket: Option<PathBuf>) -> Self {
-        *standing_by() = socket;
+    fn on(instance: &Instance) -> Self {
+        let lock = |path: &std::path::Path| {
+            let mut lock = path.as_os_str().to_owned();
+            lock.push(".lock");
+            PathBuf::from(lock)
+        };
+        let mut files = Vec::new();
+        if let Some(sock) = &instance.api_sock {
+            files.push(sock.clone());
+            files.push(lock(sock));
+        }
+        if let Some(vsock) = &instance.devices.vsock_path {
+            files.push(lock(vsock));
+        }
+        *standing_by() = files;
         StandingBy
+    }
+
+    /// The VM runs: a stop signal before its controller takes signals still removes the
+    /// files (the process ends at once); after, the controller stops the VM cleanly.
+    fn keep(self) {
+        std::mem::forget(self);
     }
 }
 
 impl Drop for StandingBy {
     fn drop(&mut self) {
-        standing_by().take();
+        standing_by().clear();
     }
 }
 
-/// Remove the socket of a VMM standing by: for a stop signal, which ends the process without
-/// unwinding (nothing else would remove it). Nothing while it does not stand by.
+/// Remove the control socket and lock files of a VMM standing by (or whose VM has not yet
+/// handed signals to its controller): for a stop signal, which ends the process without
+/// unwinding. Nothing otherwise.
 pub fn remove_socket() {
-    if let Some(path) = standing_by().take() {
+    for path in standing_by().drain(..) {
         let _ = std::fs::remove_file(path);
     }
 }
@@ -108,6 +134,8 @@ struct RestoreBody {
 /// had begun to be made.
 pub fn stand_by(mut instance: Instance, memory: MemoryMode) -> Result<Controller, RestoreError> {
     let mut claims = Claims::take(&instance)?;
+    // Set once the paths are this process's (claimed), so that a stop signal removes them.
+    let standing = StandingBy::on(&instance);
     let listener = claims
         .listen_early()?
         .ok_or_else(|| {
@@ -115,7 +143,6 @@ pub fn stand_by(mut instance: Instance, memory: MemoryMode) -> Result<Controller
         })?
         .try_clone()
         .map_err(RestoreError::Standby)?;
-    let standing = StandingBy::on(instance.api_sock.clone());
     let mut ready = ReadyKvm::open()?;
     trace::event("standing_by");
     loop {
@@ -133,8 +160,13 @@ pub fn stand_by(mut instance: Instance, memory: MemoryMode) -> Result<Controller
             Ok(prepared) => prepared,
             Err(err) => {
                 // Nothing of it is kept: KVM is made ready again for the next request.
+                // This host's faults (KVM, memory, threads) are 500; the rest is the
+                // snapshot's or the request's.
                 let status = match err {
-                    RestoreError::Vm(_) => 500,
+                    RestoreError::Vm(_)
+                    | RestoreError::Memory(_)
+                    | RestoreError::Thread(_)
+                    | RestoreError::Lazy(_) => 500,
                     _ => 400,
                 };
                 request.answer(
@@ -145,12 +177,11 @@ pub fn stand_by(mut instance: Instance, memory: MemoryMode) -> Result<Controller
                 continue;
             }
         };
-        // From here the socket is the VM's to remove (or, on an error, the claim's).
-        drop(standing);
         instance.origin = format!("restore of {}", snapshot.display());
         instance.devices.snapshot_dir = Some(snapshot);
         return match restore::start(prepared, instance, claims, started) {
             Ok(controller) => {
+                standing.keep();
                 request.answer(200, &controller.describe());
                 Ok(controller)
             }
@@ -191,7 +222,8 @@ pub fn next_restore(listener: &UnixListener) -> std::io::Result<RestoreRequest> 
         let stream = match listener.accept() {
             Ok((stream, _)) => stream,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            // Out of descriptors or memory for a moment: the next accept may do.
+            // Out of descriptors or memory for a moment, or a client gone before it was
+            // accepted: the next accept may do.
             Err(e)
                 if matches!(
                     e.raw_os_error(),
