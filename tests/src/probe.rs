@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use crate::guest::Guest;
+use crate::guest::{request, Guest};
 
 /// The probe guest's ELF, built by this crate's build script.
 pub const ELF: &str = env!("MAYFLY_PROBE_ELF");
@@ -85,4 +85,34 @@ pub fn wait_report(guest: &Guest, kind: &str) {
         "the probe did not report {kind:?} within {TIMEOUT:?}; the VMM's stderr:\n{}",
         guest.stderr()
     );
+}
+
+/// Pause the VM on `sock` and snapshot it into `snap` through its control socket; both must
+/// succeed. The snapshot's report (its answer).
+pub fn snapshot(sock: &Path, snap: &Path) -> serde_json::Value {
+    let (status, body) = request(sock, "PUT", "/vm/pause", None);
+    assert_eq!(status, 204, "{body}");
+    let (status, body) = request(
+        sock,
+        "PUT",
+        "/vm/snapshot",
+        Some(serde_json::json!({ "path": snap })),
+    );
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+/// `mayfly restore --standby` on `sock`, its console discarded, with `extra` options.
+pub fn standby(sock: &Path, extra: &[&str]) -> Guest {
+    let sock = sock.to_string_lossy();
+    let mut args = vec![
+        "restore",
+        "--standby",
+        "--api-sock",
+        &sock,
+        "--console",
+        "/dev/null",
+    ];
+    args.extend_from_slice(extra);
+    Guest::start(&args)
 }

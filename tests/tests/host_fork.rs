@@ -241,14 +241,7 @@ fn a_lazy_restore_still_loading_its_memory_can_be_forked() {
     );
     // A run through once, so that the snapshot records the whole working set.
     let snap = dir.join("snap");
-    assert_eq!(request(&sock, "PUT", "/vm/pause", None).0, 204);
-    let (status, body) = request(
-        &sock,
-        "PUT",
-        "/vm/snapshot",
-        Some(serde_json::json!({ "path": snap })),
-    );
-    assert_eq!(status, 200, "{body}");
+    probe::snapshot(&sock, &snap);
     vm.signal(libc::SIGTERM);
     vm.wait_exit(TIMEOUT);
 
@@ -339,15 +332,8 @@ fn a_restored_parent_numbers_its_clones_on_and_leaves_the_live_ones_alone() {
     assert_eq!(first.0, "n-0");
     resumed_generation(&first.2);
     let log_before = std::fs::read(&first.2).unwrap();
-    assert_eq!(request(&sock, "PUT", "/vm/pause", None).0, 204);
     let snap = dir.join("snap");
-    let (status, body) = request(
-        &sock,
-        "PUT",
-        "/vm/snapshot",
-        Some(serde_json::json!({ "path": snap })),
-    );
-    assert_eq!(status, 200, "{body}");
+    probe::snapshot(&sock, &snap);
     parent.signal(libc::SIGTERM);
     parent.wait_exit(TIMEOUT);
 

@@ -99,14 +99,7 @@ fn every_thread_of_a_running_vmm_but_the_controller_is_filtered() {
 fn a_vmm_standing_by_reads_its_requests_on_a_filtered_thread() {
     let dir = TestDir::new("seccomp-standby");
     let sock = dir.join("s.sock");
-    let vmm = Guest::start(&[
-        "restore",
-        "--standby",
-        "--api-sock",
-        &sock.to_string_lossy(),
-        "--console",
-        "/dev/null",
-    ]);
+    let vmm = probe::standby(&sock, &[]);
     let deadline = std::time::Instant::now() + TIMEOUT;
     let standing = loop {
         let standing = threads(vmm.pid());

@@ -15,15 +15,7 @@ fn probe_snapshot(dir: &TestDir) -> std::path::PathBuf {
     let sock = dir.join("p.sock");
     let mut guest = probe::boot(128, &sock, "standby-source");
     let snap = dir.join("snap");
-    let (status, body) = request(&sock, "PUT", "/vm/pause", None);
-    assert_eq!(status, 204, "{body}");
-    let (status, body) = request(
-        &sock,
-        "PUT",
-        "/vm/snapshot",
-        Some(serde_json::json!({ "path": snap })),
-    );
-    assert_eq!(status, 200, "{body}");
+    probe::snapshot(&sock, &snap);
     guest.signal(libc::SIGKILL);
     guest.wait_exit(TIMEOUT);
     snap
@@ -61,16 +53,7 @@ fn a_vmm_standing_by_refuses_what_it_cannot_restore_then_restores_and_serves_its
     let dir = TestDir::new("standby");
     let snap = probe_snapshot(&dir);
     let sock = dir.join("s.sock");
-    let mut vmm = Guest::start(&[
-        "restore",
-        "--standby",
-        "--api-sock",
-        &sock.to_string_lossy(),
-        "--console",
-        "/dev/null",
-        "--name",
-        "woken",
-    ]);
+    let mut vmm = probe::standby(&sock, &["--name", "woken"]);
     assert_eq!(
         wait_answer(&vmm, &sock),
         serde_json::json!({"state": "standby"})
@@ -144,14 +127,7 @@ fn a_vmm_standing_by_refuses_what_it_cannot_restore_then_restores_and_serves_its
 fn a_vmm_stopped_while_standing_by_exits_and_removes_its_socket() {
     let dir = TestDir::new("standby-stop");
     let sock = dir.join("s.sock");
-    let mut vmm = Guest::start(&[
-        "restore",
-        "--standby",
-        "--api-sock",
-        &sock.to_string_lossy(),
-        "--console",
-        "/dev/null",
-    ]);
+    let mut vmm = probe::standby(&sock, &[]);
     assert_eq!(wait_answer(&vmm, &sock)["state"], "standby");
     vmm.signal(libc::SIGTERM);
     let exit = vmm.wait_exit(TIMEOUT);

@@ -18,14 +18,7 @@ fn probe_snapshot(dir: &TestDir, name: &str) -> PathBuf {
     let sock = dir.join(&format!("{name}.sock"));
     let mut vm = probe::boot(64, &sock, name);
     let snap = dir.join(&format!("{name}-snap"));
-    assert_eq!(request(&sock, "PUT", "/vm/pause", None).0, 204);
-    let (status, body) = request(
-        &sock,
-        "PUT",
-        "/vm/snapshot",
-        Some(serde_json::json!({ "path": snap })),
-    );
-    assert_eq!(status, 200, "{body}");
+    probe::snapshot(&sock, &snap);
     vm.signal(libc::SIGTERM);
     vm.wait_exit(TIMEOUT);
     snap
@@ -287,14 +280,7 @@ fn leftovers_of_a_killed_snapshot_are_cleaned_up_by_the_next_one() {
     std::fs::create_dir_all(&foreign).unwrap();
     std::fs::write(foreign.join("notes"), b"mine").unwrap();
 
-    assert_eq!(request(&sock, "PUT", "/vm/pause", None).0, 204);
-    let (status, body) = request(
-        &sock,
-        "PUT",
-        "/vm/snapshot",
-        Some(serde_json::json!({ "path": dir.join("snap") })),
-    );
-    assert_eq!(status, 200, "{body}");
+    probe::snapshot(&sock, &dir.join("snap"));
     assert!(!dead.exists(), "the dead VMM's leftovers are gone");
     assert!(live.exists(), "a snapshot in progress is left alone");
     assert!(
