@@ -52,7 +52,7 @@ impl Stats {
 
 /// CLOCK_MONOTONIC in nanoseconds, the clock `mayfly --boot-trace` and the probe device stamp
 /// their lines with.
-pub use mayfly_vmm::trace::monotonic_ns;
+pub use mayfly_sys::trace::monotonic_ns;
 
 /// Write a benchmark's JSON report to `out`, or stdout without one; exits on failure.
 pub fn emit_report(bench: &str, report: &impl Serialize, out: Option<&std::path::Path>) {

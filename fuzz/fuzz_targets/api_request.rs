@@ -28,9 +28,9 @@ fuzz_target!(|data: &[u8]| {
         }
         let _ = client.shutdown(std::net::Shutdown::Write);
         if standby {
-            let _ = mayfly_vmm::standby::route(&server);
+            let _ = mayfly_vmm::persist::standby::route(&server);
         } else {
-            let _ = mayfly_vmm::api::read_and_route(
+            let _ = mayfly_api::read_and_route(
                 &server,
                 Duration::from_millis(100),
                 Duration::from_millis(500),

@@ -8,5 +8,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = mayfly_vmm::api::check_exec_body(data);
+    let _ = mayfly_api::check_exec_body(data);
 });

@@ -35,7 +35,7 @@ fn framed(header: &[u8], body: &[u8]) -> Vec<u8> {
 
 fn check(bytes: &[u8]) {
     if let Ok((_header, state)) = decode::<VmState>(bytes, "fuzz/state") {
-        let _ = mayfly_vmm::restore::check_state(&state, HOST_MIB);
+        let _ = mayfly_vmm::persist::restore::check_state(&state, HOST_MIB);
     }
 }
 

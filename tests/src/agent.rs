@@ -7,8 +7,8 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use mayfly_vmm::agent::protocol::{ExecOutput, ExecRequest};
-use mayfly_vmm::agent::Agent;
+use mayfly_agent_protocol::{ExecOutput, ExecRequest};
+use mayfly_vmm::guest::agent::Agent;
 
 use crate::guest::{BOOT_TIMEOUT, COMMAND_TIMEOUT};
 
@@ -39,7 +39,7 @@ pub fn wait_agent(sock: &Path, timeout: Duration) -> Agent {
 
 /// Ask the VMM behind `sock` for a state dump (on its stderr), for a failure report.
 fn dump(sock: &Path) {
-    if let Ok((200, vm)) = mayfly_vmm::api::request(sock, "GET", "/vm", None) {
+    if let Ok((200, vm)) = mayfly_api::request(sock, "GET", "/vm", None) {
         if let Some(pid) = vm["pid"].as_u64() {
             // SAFETY: kill(2) asking the VMM for a state dump; no memory effects.
             unsafe { libc::kill(libc::pid_t::try_from(pid).expect("a pid"), libc::SIGUSR1) };

@@ -89,14 +89,8 @@ pub fn request(
     path: &str,
     body: Option<serde_json::Value>,
 ) -> (u16, serde_json::Value) {
-    mayfly_vmm::api::request_with_timeout(
-        sock,
-        method,
-        path,
-        body.as_ref(),
-        Duration::from_secs(60),
-    )
-    .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    mayfly_api::request_with_timeout(sock, method, path, body.as_ref(), Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
 }
 
 /// A directory for one test, removed when dropped.

@@ -7,9 +7,9 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use mayfly_agent_protocol::{ExecRequest, WriteFileOptions};
 use mayfly_tests::agent::{exec_request, sh, wait_agent};
 use mayfly_tests::guest::{mayfly_ok, mayfly_output, Guest, TestDir, BOOT_TIMEOUT, CLIENT_TIMEOUT};
-use mayfly_vmm::agent::protocol::{ExecRequest, WriteFileOptions};
 
 const EXIT_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -286,7 +286,7 @@ fn vsock_connections_across_pause_snapshot_and_restore() {
     // reset, which ends the command), and a new one works.
     let s = sock.clone();
     let open = std::thread::spawn(move || {
-        mayfly_vmm::agent::Agent::for_vm(&s)
+        mayfly_vmm::guest::agent::Agent::for_vm(&s)
             .and_then(|agent| agent.exec_output(&ExecRequest::argv(["sleep", "600.5"]), None))
     });
     let deadline = Instant::now() + Duration::from_secs(60);

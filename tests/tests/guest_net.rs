@@ -18,9 +18,9 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use mayfly_agent_protocol::ExecRequest;
 use mayfly_tests::agent::{exec_request, sh, wait_agent};
 use mayfly_tests::guest::{mayfly_ok, request, Guest, TestDir, BOOT_TIMEOUT};
-use mayfly_vmm::agent::protocol::ExecRequest;
 
 /// The "internet", inside the uplink namespace.
 const SERVER: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);

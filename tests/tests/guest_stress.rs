@@ -17,10 +17,10 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use mayfly_agent_protocol::ExecRequest;
 use mayfly_tests::agent::{sh, wait_agent};
 use mayfly_tests::guest::{mayfly_output, Guest, TestDir, BOOT_TIMEOUT};
-use mayfly_vmm::agent::protocol::ExecRequest;
-use mayfly_vmm::agent::{Agent, AgentError};
+use mayfly_vmm::guest::agent::{Agent, AgentError};
 
 /// How long a started clone or restore may take to answer a command. Generous: the rig's
 /// emulated machine is slow, and this is a stall detector, not a speed target. (On a 2-CPU

@@ -1,7 +1,7 @@
 //! The host side of exec and files, end to end, without a Linux guest: the real mayfly-agent
 //! runs on this host (on a Unix socket, making no system changes), behind a stand-in for the
 //! VM's vsock socket that answers `CONNECT <port>` as the vsock device does, and the real
-//! control-socket server of mayfly-vmm serves the guest routes. `mayfly exec` and `mayfly cp`
+//! control-socket server (mayfly-api) serves the guest routes through the VMM's (mayfly-vmm). `mayfly exec` and `mayfly cp`
 //! are the real CLI. The guest tests (guest_agent.rs) run the same through a real VM.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -12,8 +12,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use mayfly_api::{self as api, Action, ApiCall, ApiServer, Reply};
 use mayfly_tests::guest::{mayfly_bin, TestDir};
-use mayfly_vmm::api::{self, Action, ApiCall, ApiServer, Reply, Services};
+use mayfly_vmm::guest::routes::Routes;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -107,10 +108,10 @@ impl FakeVm {
             &sock,
             events,
             |call| call,
-            Services {
+            Arc::new(Routes {
                 vsock: Some(vsock.clone()),
-                ..Services::default()
-            },
+                ..Routes::default()
+            }),
         )
         .unwrap();
         let state = paused.clone();
@@ -651,10 +652,10 @@ fn a_vm_without_an_agent_says_so() {
         &sock,
         events,
         |c| c,
-        Services {
+        Arc::new(Routes {
             vsock: Some(vsock.clone()),
-            ..Services::default()
-        },
+            ..Routes::default()
+        }),
     )
     .unwrap();
     std::thread::spawn(move || {

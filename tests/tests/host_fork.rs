@@ -7,9 +7,9 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use mayfly_api as api;
 use mayfly_tests::guest::{request, Guest, TestDir};
 use mayfly_tests::probe;
-use mayfly_vmm::api;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -173,7 +173,7 @@ fn clones_are_held_until_every_clone_is_ready_then_all_run() {
     let dir = TestDir::new("fork-held");
     let sock = dir.join("p.sock");
     let mut parent = probe::boot(64, &sock, "p");
-    let asked = mayfly_vmm::trace::monotonic_ns();
+    let asked = mayfly_sys::trace::monotonic_ns();
     let (status, body) = request(
         &sock,
         "PUT",

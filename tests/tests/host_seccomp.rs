@@ -7,9 +7,9 @@
 
 use std::process::Command;
 
+use mayfly_jail::seccomp::{install, ThreadKind};
 use mayfly_tests::guest::{mayfly_ok, Guest, TestDir};
 use mayfly_tests::probe::{self, TIMEOUT};
-use mayfly_vmm::seccomp::{install, ThreadKind};
 
 /// The threads of process `pid`: (name, seccomp mode from /proc: 0 none, 2 filter).
 fn threads(pid: u32) -> Vec<(String, u32)> {

@@ -26,7 +26,7 @@ fn wait_answer(guest: &Guest, sock: &Path) -> serde_json::Value {
     let deadline = Instant::now() + TIMEOUT;
     loop {
         if let Ok((200, body)) =
-            mayfly_vmm::api::request_with_timeout(sock, "GET", "/vm", None, Duration::from_secs(5))
+            mayfly_api::request_with_timeout(sock, "GET", "/vm", None, Duration::from_secs(5))
         {
             return body;
         }

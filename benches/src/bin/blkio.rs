@@ -290,7 +290,7 @@ fn boot_once(image: &Path, dir: &TestDir, n: usize) -> Option<f64> {
 
 fn main() {
     let args = Args::parse();
-    let image = mayfly_vmm::disks::rootfs_image("debian").unwrap_or_else(|e| {
+    let image = mayfly_vmm::devices::disks::rootfs_image("debian").unwrap_or_else(|e| {
         eprintln!("blkio bench: {e}");
         std::process::exit(1)
     });

@@ -27,14 +27,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use mayfly_agent_protocol::ExecRequest;
+use mayfly_api as api;
 use mayfly_benches::{
     emit_report, monotonic_ns, ms_between as ms, smaps_memory, Machine, MemoryUse, Stats,
 };
 use mayfly_tests::agent::wait_agent;
 use mayfly_tests::guest::{Guest, TestDir};
-use mayfly_vmm::agent::protocol::ExecRequest;
-use mayfly_vmm::agent::Agent;
-use mayfly_vmm::api;
+use mayfly_vmm::guest::agent::Agent;
 use serde::Serialize;
 
 #[derive(Parser)]

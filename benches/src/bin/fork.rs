@@ -23,11 +23,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
+use mayfly_api as api;
 use mayfly_benches::{
     emit_report, monotonic_ns, ms_between as ms, smaps_memory, Machine, MemoryUse, Stats,
 };
 use mayfly_tests::guest::{FileConsole, Guest, TestDir};
-use mayfly_vmm::api;
 use serde::Serialize;
 
 #[derive(Parser)]

@@ -253,10 +253,10 @@ fn measure(
 /// QEMU's microvm on the tap of `network`, with its MAC and the same guest.
 fn start_qemu(network: &mut VmNetwork, mem_mib: u64, dir: &TestDir) -> Option<Guest> {
     let tap: OwnedFd = network.take_tap().expect("the network's tap");
-    let mac = mayfly_vmm::net::mac_text(network.guest().mac);
+    let mac = mayfly_vmm::devices::net::mac_text(network.guest().mac);
     let cmdline = format!(
         "{DEFAULT_CMDLINE} acpi=off {}",
-        mayfly_vmm::net::guest_cmdline_arg(network.guest())
+        mayfly_vmm::devices::net::guest_cmdline_arg(network.guest())
     );
     // Exactly the guest mayfly boots: the kernel and initramfs built into this mayfly.
     let (Some(kernel), Some(initramfs)) = (

@@ -29,11 +29,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
+use mayfly_api as api;
 use mayfly_benches::{
     emit_report, monotonic_ns, ms_between as ms, smaps, sum, trace_events, Machine, Stats,
 };
 use mayfly_tests::guest::{Guest, TestDir};
-use mayfly_vmm::api;
 use serde::Serialize;
 
 const PROBE_ELF: &str = mayfly_tests::probe::ELF;
@@ -656,7 +656,7 @@ fn thread_cpu(pids: impl Iterator<Item = u32>) -> std::collections::BTreeMap<Str
 /// them until every one is done (as a fork holds its clones), and print the times (ms from the
 /// first fork(2), one per child) as JSON. Exits non-zero if any child failed.
 fn floor_child(dir: &Path, count: u32) -> ! {
-    use mayfly_vmm::restore::{self, MemoryMode, SnapshotSource};
+    use mayfly_vmm::persist::restore::{self, MemoryMode, SnapshotSource};
     let prepared = restore::prepare(
         SnapshotSource::Dir(dir.to_path_buf()),
         MemoryMode::Cow,

@@ -151,7 +151,7 @@ fn plain_restore(snap: &Path, sock: &Path, console: &Path, jail: bool) -> f64 {
     let vmm = Guest::start(&args);
     loop {
         if let Ok((200, _)) =
-            mayfly_vmm::api::request_with_timeout(sock, "GET", "/vm", None, Duration::from_secs(5))
+            mayfly_api::request_with_timeout(sock, "GET", "/vm", None, Duration::from_secs(5))
         {
             break;
         }

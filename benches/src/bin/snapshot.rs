@@ -26,12 +26,12 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
+use mayfly_api as api;
 use mayfly_benches::{
     emit_report, monotonic_ns, ms_between as ms, smaps_memory, trace_events, Machine, MemoryUse,
     Stats,
 };
 use mayfly_tests::guest::{Guest, TestDir};
-use mayfly_vmm::api;
 use serde::Serialize;
 
 #[derive(Parser)]

@@ -1,0 +1,26 @@
+//! Every error the `mayfly` command reports to its user, one line that says what to do.
+
+/// Any error `mayfly` reports to its user.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Boot(#[from] mayfly_vmm::boot::BootError),
+    #[error(transparent)]
+    Restore(mayfly_vmm::persist::restore::RestoreError),
+    #[error(transparent)]
+    Config(#[from] mayfly_vmm::config::ConfigError),
+    #[error(transparent)]
+    Kernel(#[from] mayfly_vmm::kernel::KernelError),
+    #[error(transparent)]
+    CpuTemplate(#[from] mayfly_vmm::arch::cpuid::CpuTemplateError),
+    #[error("this mayfly has no built-in guest {0}: build it with guest-kernel/build.sh and rootfs/build.sh and rebuild mayfly (cargo build --release), or pass --kernel and --initrd")]
+    NoDefaultGuest(&'static str),
+    #[error("cannot set up signal handling: {0}")]
+    Signals(std::io::Error),
+    #[error(transparent)]
+    Identity(#[from] mayfly_vmm::identity::IdentityError),
+    #[error(transparent)]
+    Disk(mayfly_vmm::devices::disks::DiskSetupError),
+    #[error(transparent)]
+    Net(#[from] mayfly_vmm::devices::net::NetSetupError),
+}

@@ -1,0 +1,342 @@
+//! The VM's controller: the one thread that decides. Requests from the control socket, power
+//! requests from the guest, signals and failures all arrive here as [`VmEvent`]s; the
+//! controller acts on the machine (pause, snapshot, fork, ...) and answers. A request walks
+//! socket -> controller -> machine -> vCPUs and devices; nothing below calls back up.
+
+use std::path::Path;
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::Arc;
+use std::time::Duration;
+
+use mayfly_agent_protocol::RefreshEvent;
+
+use mayfly_devices::PowerRequest;
+
+use crate::event::{VmEvent, VmExit};
+use crate::guest::refresh::RefreshStatus;
+use crate::machine::Machine;
+use crate::persist::fork::ForkError;
+use mayfly_api::{Action, ApiError, ApiServer, Reply};
+use mayfly_sys::claim::SocketClaim;
+
+/// What the network routes answer for a VM without a NIC.
+const NO_NIC: &str =
+    "the VM has no NIC (it was started with --net none): boot it with --net open or --net allow=...";
+
+/// What a jailed VM answers to a snapshot outside what its jail shares.
+const JAILED_SNAPSHOT: &str = "the VM is jailed: it can write only under the directories its \
+    jail shares (--jail-share DIR, at the same path): snapshot into one of them (see \
+    \"jail\" in GET /vm)";
+/// What a jailed VM answers to a fork.
+const JAILED_FORK: &str = "a jailed VM cannot be forked yet (each clone needs a jail of its own, \
+    made outside this one): snapshot it into a shared directory and restore that snapshot \
+    jailed, once per clone";
+
+/// Whether this VMM can write a snapshot at `path`: anywhere unless it is jailed.
+fn jail_can_write(path: &Path) -> bool {
+    mayfly_jail::jail::current().is_none_or(|jail| jail.can_write(path))
+}
+
+pub struct Controller {
+    /// The control socket, when the VM has one. Dropped first: no request outlives the VM.
+    pub api: Option<ApiServer>,
+    pub machine: Machine,
+    pub events: Receiver<VmEvent>,
+    pub event_sender: Sender<VmEvent>,
+    /// The claim on the vsock socket's path, let go after the device removed its socket.
+    pub vsock_claim: Option<SocketClaim>,
+    /// The refresh of the guest through its agent (clock, entropy, name, hooks).
+    refresh: Arc<RefreshStatus>,
+    /// A refresh to start once a paused VM resumes (its agent cannot answer before).
+    pending_refresh: Option<(RefreshEvent, Duration)>,
+    /// A clone held paused until its fork has every clone ready ([`VmEvent::ForkEnded`] lets
+    /// it go, unless its user paused or resumed it meanwhile).
+    held_for_fork: bool,
+}
+
+/// A fork's held clones run once its answer is written (see [`crate::persist::zygote::Release`]).
+impl mayfly_api::Delivery for crate::persist::zygote::Release {
+    fn delivered(&self) {
+        crate::persist::zygote::Release::delivered(self);
+    }
+}
+
+impl Controller {
+    pub fn new(machine: Machine, events: Receiver<VmEvent>, event_sender: Sender<VmEvent>) -> Self {
+        Self {
+            api: None,
+            machine,
+            events,
+            event_sender,
+            vsock_claim: None,
+            refresh: Arc::default(),
+            pending_refresh: None,
+            held_for_fork: false,
+        }
+    }
+
+    /// Tell the guest what happened to it (booted, restored, forked) through its agent: the
+    /// host's clock, fresh entropy, its name, its hook scripts. Runs on a thread of its own,
+    /// waiting up to `wait` for the agent; a paused VM gets it when it resumes. Exec and file
+    /// requests wait for it, so that nothing runs in a clone before it is told it is one.
+    /// A VM without a vsock device (or the probe guest, which has no agent) has nothing to do.
+    pub fn refresh_guest(&mut self, event: RefreshEvent, wait: Duration) {
+        if self.machine.info.probe {
+            return;
+        }
+        let Some((Some(vsock), _)) = self.machine.devices.vsock() else {
+            return;
+        };
+        if self.machine.paused() {
+            self.pending_refresh = Some((event, wait));
+            return;
+        }
+        let identity = self.machine.info.identity.clone();
+        // A clone's NIC has a MAC of its own, which its guest takes on now (a restored or
+        // booted VM's guest has it already: setting it again changes nothing).
+        let mac = self.machine.devices.network().map(|n| n.guest().mac);
+        if let Err(e) =
+            crate::guest::refresh::spawn_refresh(&vsock, event, identity, mac, wait, &self.refresh)
+        {
+            eprintln!("mayfly: cannot start the guest refresh: {e}");
+        }
+    }
+
+    /// Hold this restored, paused clone until its fork ends ([`VmEvent::ForkEnded`]). Until
+    /// then its state reads "starting", and requests into its guest wait for it to run and be
+    /// refreshed rather than being refused as paused.
+    pub fn hold_for_fork(&mut self) {
+        self.held_for_fork = true;
+        if self.pending_refresh.is_some() {
+            self.refresh
+                .set(crate::guest::refresh::RefreshState::Running);
+        }
+    }
+
+    /// Resume a paused VM, and then tell its guest what happened while it was paused (a
+    /// refresh that had to wait).
+    fn resume(&mut self) {
+        self.held_for_fork = false;
+        self.machine.resume();
+        if let Some((event, wait)) = self.pending_refresh.take() {
+            self.refresh_guest(event, wait);
+        }
+    }
+
+    /// Serve the control socket on the path `claim` holds.
+    pub fn start_api(&mut self, claim: SocketClaim) -> Result<(), ApiError> {
+        let vsock = self.machine.devices.vsock().and_then(|(path, _)| path);
+        self.api = Some(ApiServer::start_claimed(
+            claim,
+            self.event_sender.clone(),
+            VmEvent::Api,
+            mayfly_api::Timeouts::default(),
+            Arc::new(crate::guest::routes::Routes {
+                vsock,
+                refresh: self.refresh.clone(),
+            }),
+        )?);
+        Ok(())
+    }
+
+    /// Serve requests until something ends the VM, then stop every vCPU.
+    pub fn run(mut self) -> VmExit {
+        let exit = loop {
+            let event = match self.events.recv() {
+                Ok(event) => event,
+                // Every sender gone: cannot happen while `self` holds one.
+                Err(_) => break VmExit::PowerOff,
+            };
+            match event {
+                VmEvent::Api(call) => {
+                    let (reply, exit) = self.handle(call.action);
+                    let _ = call.reply.send(reply);
+                    if let Some(exit) = exit {
+                        break exit;
+                    }
+                }
+                VmEvent::Power(PowerRequest::PowerOff) => break VmExit::PowerOff,
+                VmEvent::Power(PowerRequest::Reset) => break VmExit::Reset,
+                VmEvent::Signal(libc::SIGUSR1) => {
+                    eprintln!("{}", crate::diagnostics::state_dump(&mut self.machine))
+                }
+                VmEvent::Signal(sig) => break VmExit::Signal(sig),
+                VmEvent::MemoryFailed(reason) => break VmExit::Failed(reason),
+                VmEvent::ForkEnded => {
+                    if self.held_for_fork && self.machine.paused() {
+                        self.resume();
+                    }
+                    self.held_for_fork = false;
+                }
+                VmEvent::VcpuFailed {
+                    index,
+                    reason,
+                    registers,
+                } => {
+                    break VmExit::Crashed {
+                        index,
+                        reason,
+                        registers,
+                    }
+                }
+            }
+        };
+        // Stop accepting requests before the VM goes away.
+        self.api = None;
+        self.machine.stop();
+        // A guest that "crashed" or "rebooted" because the file behind its memory was cut
+        // short did neither by itself: say what happened.
+        match (&exit, self.machine.ram.backing_problem()) {
+            (VmExit::Reset | VmExit::Crashed { .. }, Some(problem)) => VmExit::Failed(format!(
+                "{problem}; the guest stopped because its memory changed under it (keep a snapshot's files unchanged while VMs restored from them run, or restore with --memory eager)"
+            )),
+            _ => exit,
+        }
+    }
+
+    /// Answer one control socket request; the second value ends the VM.
+    fn handle(&mut self, action: Action) -> (Reply, Option<VmExit>) {
+        let paused = self.machine.paused();
+        match action {
+            Action::Describe => (Reply::ok(self.describe()), None),
+            // A clone held until its fork ends: its user's pause keeps it paused past that.
+            Action::Pause if paused && self.held_for_fork => {
+                self.held_for_fork = false;
+                // Its refresh waits for its resume now, like any paused VM's: requests into
+                // its guest get 409 rather than waiting for a fork's end that no longer frees it.
+                if self.pending_refresh.is_some() {
+                    self.refresh.set(crate::guest::refresh::RefreshState::Idle);
+                }
+                (Reply::no_content(), None)
+            }
+            Action::Pause if paused => (Reply::error(409, "the VM is already paused"), None),
+            Action::Pause => match self.machine.pause() {
+                Ok(()) => (Reply::no_content(), None),
+                Err(e) => (Reply::error(500, e.to_string()), None),
+            },
+            Action::Resume if !paused => (Reply::error(409, "the VM is not paused"), None),
+            Action::Resume => {
+                self.resume();
+                (Reply::no_content(), None)
+            }
+            Action::Snapshot { .. } if !paused => (
+                Reply::error(
+                    409,
+                    "the VM must be paused to be snapshotted: PUT /vm/pause first",
+                ),
+                None,
+            ),
+            Action::Snapshot { path, .. } if !jail_can_write(&path) => {
+                (Reply::error(400, JAILED_SNAPSHOT), None)
+            }
+            Action::Snapshot { path, diff } => {
+                match crate::persist::capture::create(&self.machine, &path, diff) {
+                    Ok(report) => (
+                        Reply::ok(serde_json::to_value(report).unwrap_or_default()),
+                        None,
+                    ),
+                    Err(e) => (Reply::error(e.http_status(), e.to_string()), None),
+                }
+            }
+            Action::Fork(_) if mayfly_jail::jail::current().is_some() => {
+                (Reply::error(409, JAILED_FORK), None)
+            }
+            Action::Fork(request) => {
+                let dir = self
+                    .api
+                    .as_ref()
+                    .and_then(|api| api.path().parent().map(Path::to_path_buf));
+                match crate::persist::fork::fork(&mut self.machine, dir.as_deref(), &request) {
+                    // The clones run once the answer is written (see zygote::Release).
+                    Ok(report) => (
+                        Reply::ok(serde_json::to_value(&report).unwrap_or_default())
+                            .keeping(report.release),
+                        None,
+                    ),
+                    Err(e) => {
+                        let status = match e {
+                            ForkError::NoClones
+                            | ForkError::TooMany(_)
+                            | ForkError::Name(_)
+                            | ForkError::NoSocket => 400,
+                            ForkError::NamesInUse { .. } => 409,
+                            ForkError::NotEnoughMemory { .. }
+                            | ForkError::NotEnoughPids { .. }
+                            | ForkError::NotEnoughDescriptors { .. } => 507,
+                            ForkError::ShuttingDown | ForkError::SocketDirNotUtf8(_) => 409,
+                            _ => 500,
+                        };
+                        (Reply::error(status, e.to_string()), None)
+                    }
+                }
+            }
+            Action::Shutdown => (Reply::no_content(), Some(VmExit::Shutdown)),
+            Action::Net => match self.machine.devices.network() {
+                Some(network) => (Reply::ok(crate::devices::net::describe(network)), None),
+                None => (Reply::error(404, NO_NIC), None),
+            },
+            Action::NetPolicy(policy) => match self.machine.devices.network_mut() {
+                // Names are resolved now; a policy that cannot be applied leaves the old one.
+                Some(network) => match network.set_policy(policy) {
+                    Ok(()) => (Reply::ok(crate::devices::net::describe(network)), None),
+                    Err(e) => (Reply::error(400, e.to_string()), None),
+                },
+                None => (Reply::error(404, NO_NIC), None),
+            },
+            Action::NetExpose { port, on } => match self.machine.devices.network_mut() {
+                Some(network) => match network.expose(port, on) {
+                    Ok(endpoint) => (
+                        Reply::ok(serde_json::json!({
+                            "guest_port": port,
+                            "host": match endpoint {
+                                mayfly_network::HostEndpoint::Tcp(addr) => format!("tcp:{addr}"),
+                                mayfly_network::HostEndpoint::Unix(path) =>
+                                    format!("unix:{}", path.display()),
+                            },
+                        })),
+                        None,
+                    ),
+                    Err(e) => (Reply::error(409, e.to_string()), None),
+                },
+                None => (Reply::error(404, NO_NIC), None),
+            },
+        }
+    }
+
+    /// What `GET /vm` answers.
+    pub fn describe(&self) -> serde_json::Value {
+        let m = &self.machine;
+        let id = &m.info.identity;
+        let vsock = m.devices.vsock();
+        serde_json::json!({
+            "name": id.name,
+            "clone_index": id.index,
+            "parent": id.parent,
+            "generation": id.generation,
+            // A clone restored and held until its fork has every clone ready: it runs then.
+            "state": match (m.paused(), self.held_for_fork) {
+                (true, true) => "starting",
+                (true, false) => "paused",
+                (false, _) => "running",
+            },
+            "origin": m.info.origin,
+            "memory_mode": m.ram.kind.name(),
+            "vcpus": m.info.vcpu_count,
+            "mem_mib": m.ram.size() >> 20,
+            "cmdline": m.info.cmdline,
+            "uptime_ms": u64::try_from(m.info.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            "pid": mayfly_jail::jail::host_pid(),
+            "jail": mayfly_jail::jail::current().map(mayfly_jail::jail::Jail::describe),
+            "agent_refresh": self.refresh.word(),
+            "vsock": vsock.as_ref().map(|(path, cid)| serde_json::json!({
+                "path": path,
+                "guest_cid": cid,
+            })),
+            "net": m.devices.network().map(|n| serde_json::json!({
+                "policy": n.policy().to_string(),
+                "mac": crate::devices::net::mac_text(n.guest().mac),
+                "outside_ip": n.outside_ip().to_string(),
+            })),
+        })
+    }
+}

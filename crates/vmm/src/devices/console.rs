@@ -1,0 +1,188 @@
+//! The guest's serial console on the host side: output to stdout or a file, input from stdin
+//! (in raw mode when stdin is a terminal, so keys such as Ctrl-C reach the guest).
+
+use std::fs::File;
+use std::io::{self, Read};
+
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use mayfly_devices::bus::lock;
+use mayfly_devices::legacy::serial::ConsoleOut;
+use mayfly_devices::legacy::SerialConsole;
+use mayfly_devices::virtio::thread::Gate;
+
+/// Where the console goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Console {
+    /// Output to stdout, input from stdin.
+    Stdio,
+    /// Output to this file (created or truncated); no input.
+    File(PathBuf),
+    /// Output appended to this file, which exists (a clone's console log, which is also its
+    /// stderr); no input.
+    Log(PathBuf),
+}
+
+impl std::str::FromStr for Console {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "" => Err("--console takes 'stdio' or a file path".into()),
+            "stdio" => Ok(Console::Stdio),
+            path => Ok(Console::File(PathBuf::from(path))),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot open the console file {path}: {source}")]
+pub struct ConsoleError {
+    path: PathBuf,
+    source: io::Error,
+}
+
+/// A writer that passes every write straight through, so nothing waits in a buffer if the
+/// VMM is killed.
+struct Stdout;
+
+impl io::Write for Stdout {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let mut out = io::stdout().lock();
+        let n = out.write(buf)?;
+        out.flush()?;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        io::stdout().flush()
+    }
+}
+
+impl Console {
+    pub fn output(&self) -> Result<ConsoleOut, ConsoleError> {
+        match self {
+            Console::Stdio => Ok(Box::new(Stdout)),
+            // Not following a symlink: a console log is the VMM's own file.
+            Console::File(path) => File::options()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(path)
+                .map(|f| Box::new(f) as ConsoleOut)
+                .map_err(|source| ConsoleError {
+                    path: path.clone(),
+                    source,
+                }),
+            // Appended to: the clone's stderr is the same file, and neither may write over
+            // the other. A fork creates a clone's log with O_EXCL, and the clone reopens it
+            // here, not following a symlink.
+            Console::Log(path) => File::options()
+                .append(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(path)
+                .map(|f| Box::new(f) as ConsoleOut)
+                .map_err(|source| ConsoleError {
+                    path: path.clone(),
+                    source,
+                }),
+        }
+    }
+}
+
+/// Type what arrives on stdin (with `Console::Stdio`) and in `input` (a file or FIFO, opened
+/// read-write so writers may come and go) into the guest's serial port.
+pub fn connect_input(
+    serial: &Arc<Mutex<SerialConsole>>,
+    gate: &Arc<Gate>,
+    console: &Console,
+    input: Option<&std::path::Path>,
+) -> io::Result<()> {
+    if *console == Console::Stdio {
+        spawn_forwarder(serial.clone(), gate.clone(), Box::new(io::stdin()))?;
+    }
+    if let Some(path) = input {
+        let file = File::options().read(true).write(true).open(path)?;
+        spawn_forwarder(serial.clone(), gate.clone(), Box::new(file))?;
+    }
+    Ok(())
+}
+
+/// The UART, locked, once the VM is not paused (see `DeviceManager::pause`). None when the VM
+/// is going away.
+fn lock_unpaused<'a>(
+    serial: &'a Mutex<SerialConsole>,
+    gate: &Gate,
+) -> Option<std::sync::MutexGuard<'a, SerialConsole>> {
+    loop {
+        let guard = lock(serial);
+        if !gate.is_paused() {
+            return Some(guard);
+        }
+        drop(guard);
+        if !gate.pass() {
+            return None;
+        }
+    }
+}
+
+/// Forward `input` to the guest's serial port until it ends. Input waits while the guest has
+/// not read what is already queued (the UART's FIFO is small).
+fn spawn_forwarder(
+    serial: Arc<Mutex<SerialConsole>>,
+    gate: Arc<Gate>,
+    mut input: Box<dyn Read + Send>,
+) -> io::Result<()> {
+    // It reads what the host's user types and queues it in the UART the guest drives.
+    let builder = std::thread::Builder::new()
+        .name("console-in".into())
+        .stack_size(mayfly_sys::HELPER_THREAD_STACK);
+    mayfly_jail::seccomp::spawn(
+        builder,
+        mayfly_jail::seccomp::ThreadKind::Console,
+        move || {
+            let stdin = &mut input;
+            let mut buf = [0u8; 256];
+            loop {
+                let n = match stdin.read(&mut buf) {
+                    Ok(0) => return,
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(_) => return,
+                };
+                let mut pending = &buf[..n];
+                while !pending.is_empty() {
+                    let Some(mut uart) = lock_unpaused(&serial, &gate) else {
+                        return;
+                    };
+                    let queued = uart.queue_input(pending);
+                    drop(uart);
+                    pending = &pending[queued..];
+                    if !pending.is_empty() {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        },
+    )?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn console_argument() {
+        assert_eq!("stdio".parse::<Console>().unwrap(), Console::Stdio);
+        assert_eq!(
+            "/tmp/x.log".parse::<Console>().unwrap(),
+            Console::File("/tmp/x.log".into())
+        );
+        assert!("".parse::<Console>().is_err());
+    }
+}

@@ -1,0 +1,203 @@
+//! A VM's network, host side: what `--net` asks for, where its namespace comes from, and what
+//! boot, restore and fork do with it. The namespace, tap, veth and nftables policy are
+//! `mayfly_network`'s; the guest's NIC is `mayfly_devices::virtio::net`.
+//!
+//! - `--net none` (the default) gives the VM no NIC at all: nothing to misconfigure, nothing to
+//!   reach. `--net open` and `--net allow=CIDR[:PORT],...` give it a virtio-net NIC whose tap
+//!   lives in a network namespace of the VM's own, the policy enforced there by nftables,
+//!   outside the guest's reach.
+//! - The guest's address is the same in every VM (`mayfly_network::GUEST_IP`/30 behind the
+//!   gateway `GATEWAY_IP`), so a restored VM and every clone keep a configuration that works;
+//!   outside, each VM's traffic leaves from its own address (SNAT to its slot's address). The
+//!   guest is told its address on the kernel command line (`mayfly.net=IP/PREFIX,GATEWAY[,DNS]`,
+//!   which the guest's init applies) at boot; after that it never changes.
+//! - A restore gets a new namespace with the snapshot's policy and MAC (the same VM, woken).
+//!   A clone gets a new namespace, the parent's policy and a MAC of its own: its config space
+//!   says the new MAC, and the agent's refresh sets it in the guest (which learnt its parent's
+//!   before the snapshot). Until then the clone's frames carry the parent's MAC and the
+//!   namespace's anti-spoofing drops them: a clone never speaks as its parent.
+//! - The namespace lives as long as the VMM holds it: a VMM killed with -9 leaves nothing behind
+//!   (see `mayfly_network`).
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use mayfly_network::{GuestConfig, MacAddr, Network, NetworkConfig, Policy, Uplink, VmNetwork};
+
+/// Where VM networks are made on this host: `--net-dir`, `--net-uplink`, `--net-dns`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NetSettings {
+    /// Slot locks and pooled namespaces (`mayfly_network::NetworkConfig::state_dir`).
+    pub state_dir: PathBuf,
+    /// The namespace VMs' traffic goes out to: the VMM's own when `None`.
+    pub uplink: Option<PathBuf>,
+    /// The resolver guests are told to use; an allowlist lets DNS reach it and nothing else.
+    pub dns: Option<Ipv4Addr>,
+}
+
+impl Default for NetSettings {
+    fn default() -> Self {
+        Self {
+            state_dir: NetworkConfig::default().state_dir,
+            uplink: None,
+            dns: None,
+        }
+    }
+}
+
+/// A VM's NIC as `mayfly run` asks for it.
+#[derive(Clone, Debug)]
+pub struct NetSpec {
+    pub policy: Policy,
+    pub settings: NetSettings,
+}
+
+/// What a restored VM's NIC (if its snapshot has one) gets on this host.
+#[derive(Clone, Debug, Default)]
+pub struct NetTargets {
+    pub settings: NetSettings,
+    /// A policy instead of the snapshot's (`mayfly restore --net`).
+    pub policy: Option<Policy>,
+    /// Give the NIC a fresh MAC (a clone) rather than the snapshot's.
+    pub new_mac: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetSetupError {
+    #[error("{0}")]
+    Network(#[from] mayfly_network::NetworkError),
+    #[error("--net {given:?}: {source}; use none, open, or allow=CIDR[:PORT],... (e.g. allow=10.0.0.0/8:443,192.0.2.7)")]
+    BadPolicy {
+        given: String,
+        source: mayfly_network::PolicyError,
+    },
+    #[error("the snapshot's network policy {given:?} does not parse ({source}): the snapshot is damaged, or give the policy with --net")]
+    BadSavedPolicy {
+        given: String,
+        source: mayfly_network::PolicyError,
+    },
+    #[error("the snapshot's VM has no NIC: --net {0} needs a VM booted with a network (--net open or allow=...)")]
+    NoNic(String),
+    #[error(transparent)]
+    Jailed(#[from] mayfly_jail::jail::JailError),
+}
+
+/// A `--net` argument.
+pub fn parse_policy(text: &str) -> Result<Policy, NetSetupError> {
+    Policy::from_str(text).map_err(|source| NetSetupError::BadPolicy {
+        given: text.to_owned(),
+        source,
+    })
+}
+
+/// The policy a snapshot saved (in `--net` syntax).
+pub fn saved_policy(text: &str) -> Result<Policy, NetSetupError> {
+    Policy::from_str(text).map_err(|source| NetSetupError::BadSavedPolicy {
+        given: text.to_owned(),
+        source,
+    })
+}
+
+/// Build one VM's network: a namespace with its tap, veth and `policy`, the guest's NIC
+/// having `mac` (a fresh one when `None`). `Policy::None` here is a restored NIC that may
+/// reach nothing (the guest keeps its NIC, its driver is bound): the network is made with the
+/// rules in place and everything denied before the VM runs.
+pub fn attach(
+    settings: &NetSettings,
+    policy: &Policy,
+    mac: Option<MacAddr>,
+) -> Result<VmNetwork, NetSetupError> {
+    if mayfly_jail::jail::current().is_some() {
+        return Err(mayfly_jail::jail::JailError::Net.into());
+    }
+    let config = NetworkConfig {
+        state_dir: settings.state_dir.clone(),
+        uplink: match &settings.uplink {
+            Some(path) => Uplink::Path(path.clone()),
+            None => Uplink::Current,
+        },
+        dns: settings.dns,
+        ..NetworkConfig::default()
+    };
+    let network = Network::new(config)?;
+    if *policy == Policy::None {
+        let mut vm_network = network.create(&Policy::Open, mac)?;
+        vm_network.set_policy(Policy::None)?;
+        return Ok(vm_network);
+    }
+    Ok(network.create(policy, mac)?)
+}
+
+/// The kernel command line argument that tells the guest's init its address.
+pub fn guest_cmdline_arg(guest: &GuestConfig) -> String {
+    let mut arg = format!("mayfly.net={}/{},{}", guest.ip, guest.prefix, guest.gateway);
+    if let Some(dns) = guest.dns {
+        arg.push_str(&format!(",{dns}"));
+    }
+    arg
+}
+
+/// A MAC as `02:6d:66:00:00:01`.
+pub fn mac_text(mac: MacAddr) -> String {
+    mayfly_agent_protocol::format_mac(mac)
+}
+
+/// What `GET /vm/net` says of a VM's network.
+pub fn describe(network: &VmNetwork) -> serde_json::Value {
+    let (link, host_ip) = network.host_link();
+    let guest = network.guest();
+    let counters = network.counters().map_err(|e| e.to_string());
+    serde_json::json!({
+        "policy": network.policy().to_string(),
+        "namespace": network.name(),
+        "guest": {
+            "ip": guest.ip.to_string(),
+            "prefix": guest.prefix,
+            "gateway": guest.gateway.to_string(),
+            "dns": guest.dns.map(|d| d.to_string()),
+            "mac": mac_text(guest.mac),
+        },
+        "outside_ip": network.outside_ip().to_string(),
+        "host_link": {"name": link, "ip": host_ip.to_string()},
+        "counters": match &counters {
+            Ok(c) => serde_json::to_value(c).unwrap_or_default(),
+            Err(_) => serde_json::Value::Null,
+        },
+        "counters_error": counters.err(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_guest_learns_its_address_from_one_argument() {
+        let guest = GuestConfig {
+            ip: mayfly_network::GUEST_IP,
+            prefix: mayfly_network::GUEST_PREFIX,
+            gateway: mayfly_network::GATEWAY_IP,
+            dns: Some(Ipv4Addr::new(198, 51, 100, 53)),
+            mac: [2, 0, 0, 0, 0, 1],
+        };
+        assert_eq!(
+            guest_cmdline_arg(&guest),
+            "mayfly.net=172.16.0.2/30,172.16.0.1,198.51.100.53"
+        );
+        let no_dns = GuestConfig { dns: None, ..guest };
+        assert_eq!(
+            guest_cmdline_arg(&no_dns),
+            "mayfly.net=172.16.0.2/30,172.16.0.1"
+        );
+    }
+
+    #[test]
+    fn a_bad_policy_says_what_to_give() {
+        let err = parse_policy("allow=10.0.0.0/33").unwrap_err().to_string();
+        assert!(err.contains("--net \"allow=10.0.0.0/33\""), "{err}");
+        assert!(err.contains("use none, open, or allow="), "{err}");
+        assert!(matches!(parse_policy("open"), Ok(Policy::Open)));
+        assert!(matches!(parse_policy("none"), Ok(Policy::None)));
+    }
+}

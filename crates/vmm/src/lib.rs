@@ -1,0 +1,46 @@
+//! mayfly: a KVM virtual machine monitor for microVMs.
+//!
+//! Where to start reading:
+//! - [`boot`]: the boot path, from a [`config::RunConfig`] to a running [`machine::Machine`].
+//! - [`persist::capture`]: the snapshot path, from a paused VM to a directory on disk.
+//! - [`persist::restore`]: the restore path, from a snapshot directory to a running VM.
+//! - [`persist::fork`]: the fork path, from a running VM to N running clones.
+//! - [`controller`]: the one thread that decides: it answers the control socket's requests
+//!   (`mayfly_api`) and acts on the machine.
+//! - [`vcpu`]: the vCPU threads and how they are paused, stopped and kicked.
+//! - [`vm`]: the KVM VM itself.
+// Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
+// why it cannot.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_possible_wrap
+    )
+)]
+
+#[cfg(not(target_arch = "x86_64"))]
+compile_error!("mayfly supports x86-64 hosts only");
+
+pub mod arch;
+pub mod boot;
+pub mod config;
+pub mod controller;
+pub mod devices;
+pub mod diagnostics;
+pub mod event;
+pub mod guest;
+pub mod identity;
+pub mod kernel;
+pub mod machine;
+pub mod memory;
+pub mod persist;
+pub mod trace;
+pub mod vcpu;
+pub mod vm;
+
+/// The guest kernel and initramfs built into this binary, if they were built before it.
+pub mod default_guest {
+    include!(concat!(env!("OUT_DIR"), "/default_guest.rs"));
+}

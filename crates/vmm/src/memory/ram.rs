@@ -1,0 +1,1003 @@
+//! Guest RAM: one file's worth of memory mapped into the VMM and registered with KVM as memory
+//! slots. Which file, and how it is mapped, is what the memory modes differ in:
+//!
+//! - [`RamKind::Memfd`]: a memfd mapped shared. A fresh boot starts here, and an eager restore
+//!   copies a snapshot's memory into one.
+//! - [`RamKind::CopyOnWrite`]: a snapshot's memory file mapped private. Restores of one snapshot
+//!   share its clean pages through the page cache; the file never changes.
+//! - [`RamKind::Lazy`]: anonymous memory that a userfaultfd handler fills from the snapshot's
+//!   memory file as the guest touches it (see [`crate::memory::lazy`]).
+//!
+//! In every kind, a page this process has not mapped yet reads as the same page of
+//! [`GuestRam::backing`], which is what lets a snapshot be written without touching pages the
+//! guest never used.
+
+use mayfly_sys::extents::data_extents;
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::FileExt;
+
+use vm_memory::mmap::MmapRegionBuilder;
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap};
+
+use crate::arch::layout::{ram_ranges, RamRange};
+use crate::memory::diff::ChainLayer;
+use mayfly_snapshot::Extent;
+
+/// The guest's physical memory as the VMM sees it.
+pub type GuestMemory = GuestMemoryMmap<()>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    #[error("cannot create the guest memory file: {0}")]
+    Memfd(std::io::Error),
+    #[error("cannot size the guest memory file to {mib} MiB: {source}")]
+    Resize { mib: u64, source: std::io::Error },
+    #[error("cannot map {mib} MiB of guest memory: {source}")]
+    Map {
+        mib: u64,
+        source: vm_memory::mmap::MmapRegionError,
+    },
+    #[error("cannot copy the snapshot's memory into guest RAM: {0}")]
+    Copy(std::io::Error),
+    #[error("guest memory layout is invalid: {0}")]
+    Layout(String),
+    #[error("cannot seal the fork's memory base so that nothing can change it: {0}")]
+    Seal(std::io::Error),
+}
+
+/// The seals a memory base carries: its size and contents can never change again.
+const BASE_SEALS: libc::c_int =
+    libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE | libc::F_SEAL_SEAL;
+
+/// Seal `file` (a memfd this process made with MFD_ALLOW_SEALING) as a memory base.
+fn seal_base(file: &File) -> Result<(), MemoryError> {
+    // SAFETY: fcntl on a descriptor we own; the result is checked.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, BASE_SEALS) } < 0 {
+        return Err(MemoryError::Seal(std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// fcntl(2)'s F_SETSIG, which the libc crate does not name.
+const F_SETSIG: libc::c_int = 10;
+
+/// The signal the kernel sends when another process wants to change a memory file this VM
+/// holds a lease on (see [`GuestRam::protect_backing`]).
+pub fn lease_signal() -> libc::c_int {
+    vmm_sys_util::signal::SIGRTMIN() + 1
+}
+
+/// Turn a SIGBUS in the VMM (its own access to guest memory whose file was truncated: a
+/// snapshot being written, a device reading a queue) into one line that says so and exit
+/// status 1, instead of a core dump that blames nobody.
+pub fn install_sigbus_handler() -> std::io::Result<()> {
+    extern "C" fn on_sigbus(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+        const MSG: &[u8] = b"mayfly: guest memory became unreadable (SIGBUS): the VM's memory file was truncated or changed under it; stopping\n";
+        // SAFETY: write(2) and _exit(2) are async-signal-safe; MSG is a static buffer.
+        unsafe {
+            libc::write(2, MSG.as_ptr().cast(), MSG.len());
+            libc::_exit(1);
+        }
+    }
+    // SAFETY: sigaction is plain data, zeroed then filled in.
+    let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+    action.sa_sigaction = on_sigbus as *const () as usize;
+    action.sa_flags = libc::SA_SIGINFO;
+    // SAFETY: installs a handler that only calls async-signal-safe functions.
+    if unsafe { libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// How guest RAM's backing file is kept from changing under the VM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackingProtection {
+    /// The VM's own memory (a memfd nobody else holds, or anonymous memory).
+    Private,
+    /// A sealed memfd: its size and contents cannot change.
+    Sealed,
+    /// A read lease: before another process opens the file for writing or truncates it, the
+    /// kernel tells this VMM (the [`lease_signal`]), which stops the VM.
+    Leased,
+    /// Neither was possible (e.g. the file is open for writing elsewhere): a change is still
+    /// caught, when the guest or the VMM trips over it.
+    Unprotected,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RamKind {
+    Memfd,
+    CopyOnWrite,
+    Lazy,
+}
+
+impl RamKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            RamKind::Memfd => "memfd",
+            RamKind::CopyOnWrite => "cow",
+            RamKind::Lazy => "lazy",
+        }
+    }
+}
+
+/// Guest RAM and the file behind it.
+pub struct GuestRam {
+    pub memory: GuestMemory,
+    pub ranges: Vec<RamRange>,
+    /// Where a page this process has not mapped comes from: the memfd itself, or the snapshot's
+    /// memory file.
+    pub backing: File,
+    pub kind: RamKind,
+    /// For RAM mapped copy-on-write from a snapshot directory: the memory files it maps,
+    /// bottom first (see [`crate::memory::diff`]); `backing` is the bottom's. Empty otherwise.
+    pub chain: Vec<ChainLayer>,
+}
+
+/// One region as mapped in this process.
+#[derive(Clone, Copy, Debug)]
+pub struct HostRegion {
+    pub host_addr: *mut u8,
+    pub len: usize,
+    pub file_offset: u64,
+}
+
+fn memfd(len: u64) -> Result<File, MemoryError> {
+    // Sealable: a memfd that becomes a fork's base is sealed so that nothing can change it
+    // under the clones that map it.
+    // SAFETY: the name is a valid NUL-terminated string; the return value is checked.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"mayfly-guest-ram".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    if fd < 0 {
+        return Err(MemoryError::Memfd(std::io::Error::last_os_error()));
+    }
+    // SAFETY: memfd_create returned a new descriptor that nothing else owns.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(len).map_err(|source| MemoryError::Resize {
+        mib: len >> 20,
+        source,
+    })?;
+    Ok(file)
+}
+
+impl GuestRam {
+    /// Fresh zeroed RAM of `mem_bytes` in a memfd.
+    pub fn new_memfd(mem_bytes: u64) -> Result<Self, MemoryError> {
+        let file = memfd(mem_bytes)?;
+        Self::map(file, &ram_ranges(mem_bytes), RamKind::Memfd)
+    }
+
+    /// A snapshot's memory, mapped copy-on-write.
+    pub fn copy_on_write(file: File, ranges: &[RamRange]) -> Result<Self, MemoryError> {
+        Self::map(file, ranges, RamKind::CopyOnWrite)
+    }
+
+    /// A snapshot's chain of memory files (see [`crate::memory::diff`]), mapped copy-on-write: the
+    /// bottom over all of RAM, each later layer's extents over it.
+    pub fn copy_on_write_chain(
+        chain: Vec<ChainLayer>,
+        ranges: &[RamRange],
+    ) -> Result<Self, MemoryError> {
+        let bottom = chain
+            .first()
+            .ok_or_else(|| MemoryError::Layout("an empty memory chain".into()))?;
+        let mut ram = Self::map(
+            bottom.file.try_clone().map_err(MemoryError::Memfd)?,
+            ranges,
+            RamKind::CopyOnWrite,
+        )?;
+        for layer in chain.iter().skip(1) {
+            for extent in layer.extents.as_deref().unwrap_or_default() {
+                for region in ram.host_regions() {
+                    let start = extent.offset.max(region.file_offset);
+                    let end = extent.end().min(region.file_offset + region.len as u64);
+                    if start >= end {
+                        continue;
+                    }
+                    let within = usize::try_from(start - region.file_offset)
+                        .expect("inside a mapped region");
+                    let len = usize::try_from(end - start).expect("inside a mapped region");
+                    // SAFETY: replaces part of this VM's own, not yet used, mapping of guest
+                    // RAM (inside the region: checked above) with the same range of a file
+                    // of the snapshot's chain, private: nothing the guest does reaches it.
+                    let addr = unsafe {
+                        libc::mmap(
+                            region.host_addr.add(within).cast(),
+                            len,
+                            libc::PROT_READ | libc::PROT_WRITE,
+                            libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                            layer.file.as_raw_fd(),
+                            libc::off_t::try_from(start).expect("a file offset the file has"),
+                        )
+                    };
+                    if addr == libc::MAP_FAILED {
+                        return Err(MemoryError::Copy(std::io::Error::last_os_error()));
+                    }
+                }
+            }
+        }
+        ram.chain = chain;
+        Ok(ram)
+    }
+
+    /// A snapshot's chain of memory files copied into a fresh memfd: the bottom's data, then
+    /// each later layer's extents over it (holes in them punched).
+    pub fn eager_chain(chain: &[ChainLayer], ranges: &[RamRange]) -> Result<Self, MemoryError> {
+        let bottom = chain
+            .first()
+            .ok_or_else(|| MemoryError::Layout("an empty memory chain".into()))?;
+        let ram = Self::eager(&bottom.file, ranges)?;
+        for layer in chain.iter().skip(1) {
+            for extent in layer.extents.as_deref().unwrap_or_default() {
+                punch_hole(&ram.backing, extent.offset, extent.len).map_err(MemoryError::Copy)?;
+                for (start, len) in data_extents(&layer.file, extent.offset, extent.len)
+                    .map_err(MemoryError::Copy)?
+                {
+                    copy_range(&layer.file, &ram.backing, start, len).map_err(MemoryError::Copy)?;
+                }
+            }
+        }
+        Ok(ram)
+    }
+
+    /// Anonymous memory to be filled from `file` by a userfaultfd handler.
+    pub fn lazy(file: File, ranges: &[RamRange]) -> Result<Self, MemoryError> {
+        Self::map(file, ranges, RamKind::Lazy)
+    }
+
+    /// A snapshot's memory copied into a fresh memfd (only its data: holes stay holes).
+    pub fn eager(file: &File, ranges: &[RamRange]) -> Result<Self, MemoryError> {
+        let total = ranges
+            .iter()
+            .map(|r| r.file_offset + r.size)
+            .max()
+            .unwrap_or(0);
+        let mem = memfd(total)?;
+        for (start, len) in data_extents(file, 0, total).map_err(MemoryError::Copy)? {
+            copy_range(file, &mem, start, len).map_err(MemoryError::Copy)?;
+        }
+        Self::map(mem, ranges, RamKind::Memfd)
+    }
+
+    fn map(file: File, ranges: &[RamRange], kind: RamKind) -> Result<Self, MemoryError> {
+        let mut regions = Vec::with_capacity(ranges.len());
+        for range in ranges {
+            let map_err = |source| MemoryError::Map {
+                mib: range.size >> 20,
+                source,
+            };
+            let size = usize::try_from(range.size)
+                .map_err(|_| MemoryError::Layout(format!("{} bytes", range.size)))?;
+            let builder =
+                MmapRegionBuilder::new(size).with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE);
+            let builder = match kind {
+                RamKind::Memfd => builder
+                    .with_file_offset(FileOffset::new(
+                        file.try_clone().map_err(MemoryError::Memfd)?,
+                        range.file_offset,
+                    ))
+                    .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE),
+                RamKind::CopyOnWrite => builder
+                    .with_file_offset(FileOffset::new(
+                        file.try_clone().map_err(MemoryError::Memfd)?,
+                        range.file_offset,
+                    ))
+                    .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE),
+                RamKind::Lazy => builder
+                    .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE),
+            };
+            let mapping = builder.build().map_err(map_err)?;
+            // Ask for transparent huge pages: a guest touching its RAM then takes one (nested)
+            // page fault per 2 MiB instead of per 4 KiB, which halves a Linux boot on a
+            // nested KVM. The host decides (for memfd RAM,
+            // /sys/kernel/mm/transparent_hugepage/shmem_enabled must be `advise` or `always`).
+            // Not for lazy RAM: userfaultfd fills it in blocks of its own choosing.
+            if kind != RamKind::Lazy {
+                // SAFETY: advice on a mapping we just created; it does not change contents.
+                unsafe { libc::madvise(mapping.as_ptr().cast(), size, libc::MADV_HUGEPAGE) };
+            }
+            let region = GuestRegionMmap::new(mapping, GuestAddress(range.guest_addr))
+                .ok_or_else(|| MemoryError::Layout(format!("{range:?} overflows")))?;
+            regions.push(region);
+        }
+        let memory =
+            GuestMemory::from_regions(regions).map_err(|e| MemoryError::Layout(e.to_string()))?;
+        Ok(Self {
+            memory,
+            ranges: ranges.to_vec(),
+            backing: file,
+            kind,
+            chain: Vec::new(),
+        })
+    }
+
+    /// Make guest RAM an immutable base that clones can share, and keep running on a private
+    /// (copy-on-write) view of it; returns the base. A memfd-backed VM's own memfd becomes the
+    /// base without a copy: this VM stops writing it (its pages stay shared with the clones
+    /// until either side writes). Any other VM's current memory is first written, sparse, into
+    /// a new memfd. The vCPUs must be paused; KVM drops its mappings of the old pages when the
+    /// new mapping replaces them at the same address (MMU notifiers), so the memory slots stay.
+    /// Also returns how many bytes had to be copied.
+    pub fn freeze(&mut self, snapshot_id: &[u8; 16]) -> Result<(File, u64), MemoryError> {
+        let mut copied = 0;
+        if self.kind != RamKind::Memfd {
+            let base = memfd(self.size())?;
+            copied = self.write_sparse(&base).map_err(MemoryError::Copy)?.bytes;
+            self.backing = base;
+        }
+        for region in self.host_regions() {
+            // SAFETY: replaces this VM's own mapping of guest RAM at the same address and size
+            // (MAP_FIXED), with the same contents: the file now holds everything the old
+            // mapping showed. The vCPUs are paused and nothing holds references into it.
+            let addr = unsafe {
+                libc::mmap(
+                    region.host_addr.cast(),
+                    region.len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                    self.backing.as_raw_fd(),
+                    libc::off_t::try_from(region.file_offset).expect("a file offset the file has"),
+                )
+            };
+            if addr == libc::MAP_FAILED {
+                return Err(MemoryError::Copy(std::io::Error::last_os_error()));
+            }
+            // SAFETY: advice on the mapping just made.
+            unsafe { libc::madvise(addr, region.len, libc::MADV_HUGEPAGE) };
+        }
+        self.kind = RamKind::CopyOnWrite;
+        // It maps the base now, not the snapshot's chain.
+        self.chain.clear();
+        // No shared mapping of the base is left anywhere: seal it, so that not even this VMM
+        // can change what the clones map.
+        mayfly_snapshot::write_trailer(&self.backing, self.size(), snapshot_id)
+            .map_err(MemoryError::Copy)?;
+        seal_base(&self.backing)?;
+        let base = self.backing.try_clone().map_err(MemoryError::Memfd)?;
+        Ok((base, copied))
+    }
+
+    /// A copy of guest RAM in a new sealed memfd (sparse), leaving this VM's memory as it is.
+    pub fn copy_to_memfd(&self, snapshot_id: &[u8; 16]) -> Result<(File, u64), MemoryError> {
+        let base = memfd(self.size())?;
+        let copied = self.write_sparse(&base).map_err(MemoryError::Copy)?.bytes;
+        mayfly_snapshot::write_trailer(&base, self.size(), snapshot_id)
+            .map_err(MemoryError::Copy)?;
+        seal_base(&base)?;
+        Ok((base, copied))
+    }
+
+    /// Keep the file behind a copy-on-write VM's RAM from changing under it: a sealed memfd
+    /// (a fork's base) cannot change; a snapshot's memory file gets a read lease, so the
+    /// kernel warns this VMM (with [`lease_signal`]) before anyone opens it for writing or
+    /// truncates it, and the VMM stops the VM instead of running it on changed memory.
+    pub fn protect_backing(&self) -> BackingProtection {
+        if self.kind != RamKind::CopyOnWrite {
+            return BackingProtection::Private;
+        }
+        let fd = self.backing.as_raw_fd();
+        // SAFETY: fcntl on a descriptor we own; the result is checked.
+        let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
+        let needed = libc::F_SEAL_SHRINK | libc::F_SEAL_WRITE;
+        if seals >= 0 && seals & needed == needed {
+            return BackingProtection::Sealed;
+        }
+        let lease = |fd: i32| {
+            // SAFETY: fcntl on a descriptor we own, with a valid signal number; checked.
+            unsafe {
+                libc::fcntl(fd, F_SETSIG, lease_signal()) == 0
+                    && libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) == 0
+            }
+        };
+        // The layers above the bottom of a diff snapshot's chain too: a change to any of them
+        // changes guest memory.
+        let leased = lease(fd)
+            && self
+                .chain
+                .iter()
+                .skip(1)
+                .all(|layer| lease(layer.file.as_raw_fd()));
+        if leased {
+            BackingProtection::Leased
+        } else {
+            BackingProtection::Unprotected
+        }
+    }
+
+    /// Whether the backing file still holds all of guest RAM; if not, what happened (to name
+    /// the real cause when the guest crashes on memory that vanished).
+    pub fn backing_problem(&self) -> Option<String> {
+        if self.kind == RamKind::Memfd {
+            return None;
+        }
+        let needed = self
+            .ranges
+            .iter()
+            .map(|r| r.file_offset + r.size)
+            .max()
+            .unwrap_or(0);
+        let layers =
+            std::iter::once(&self.backing).chain(self.chain.iter().skip(1).map(|l| &l.file));
+        for file in layers {
+            match file.metadata() {
+                Ok(meta) if meta.len() >= needed => {}
+                Ok(meta) => {
+                    return Some(format!(
+                        "the VM's memory file was truncated under it (it is now {} bytes; the VM needs {needed})",
+                        meta.len()
+                    ))
+                }
+                Err(e) => return Some(format!("the VM's memory file cannot be checked: {e}")),
+            }
+        }
+        None
+    }
+
+    /// Total bytes of guest RAM.
+    pub fn size(&self) -> u64 {
+        self.ranges.iter().map(|r| r.size).sum()
+    }
+
+    /// Each region's host mapping and place in the memory file.
+    pub fn host_regions(&self) -> Vec<HostRegion> {
+        use vm_memory::GuestMemoryBackend;
+        self.ranges
+            .iter()
+            .map(|range| HostRegion {
+                host_addr: self
+                    .memory
+                    .get_host_address(GuestAddress(range.guest_addr))
+                    .expect("every range is mapped"),
+                len: usize::try_from(range.size).expect("a mapped range fits in memory"),
+                file_offset: range.file_offset,
+            })
+            .collect()
+    }
+}
+
+/// Copy `len` bytes at `offset` from one file to the same offset of another, in the kernel
+/// where it can (copy_file_range), by reading and writing where it cannot.
+fn copy_range(from: &File, to: &File, offset: u64, len: u64) -> std::io::Result<()> {
+    let mut done = 0u64;
+    while done < len {
+        let mut off_in = libc::loff_t::try_from(offset + done)
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        let mut off_out = off_in;
+        // SAFETY: valid fds and offsets we own; the result is checked.
+        let n = unsafe {
+            libc::copy_file_range(
+                from.as_raw_fd(),
+                &mut off_in,
+                to.as_raw_fd(),
+                &mut off_out,
+                usize::try_from(len - done).unwrap_or(usize::MAX),
+                0,
+            )
+        };
+        if n > 0 {
+            done += n.unsigned_abs() as u64;
+            continue;
+        }
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        let err = std::io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EXDEV)
+            | Some(libc::EINVAL)
+            | Some(libc::ENOSYS)
+            | Some(libc::EOPNOTSUPP) => break,
+            Some(libc::EINTR) => continue,
+            _ => return Err(err),
+        }
+    }
+    let mut buf = vec![0u8; 1 << 20];
+    while done < len {
+        let chunk = usize::try_from(len - done)
+            .unwrap_or(usize::MAX)
+            .min(buf.len());
+        from.read_exact_at(&mut buf[..chunk], offset + done)?;
+        to.write_all_at(&buf[..chunk], offset + done)?;
+        done += chunk as u64;
+    }
+    Ok(())
+}
+
+pub const PAGE: usize = 4096;
+
+/// What [`GuestRam::write_sparse`] wrote.
+pub struct SparseWritten {
+    pub bytes: u64,
+    /// Offsets of the pages this process had mapped (for a copy-on-write VM: what the guest
+    /// touched since it was restored).
+    pub touched: Vec<u64>,
+}
+
+/// Make `offset..offset + len` of `file` a hole (zeros).
+fn punch_hole(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
+    let off = |v: u64| {
+        libc::off_t::try_from(v).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+    };
+    // SAFETY: fallocate on a descriptor we own; the result is checked.
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            off(offset)?,
+            off(len)?,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+fn is_zero(bytes: &[u8]) -> bool {
+    // SAFETY: reinterpreting initialised bytes as u128 words is always valid.
+    let (head, words, tail) = unsafe { bytes.align_to::<u128>() };
+    head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
+}
+
+/// pagemap: the page is present.
+const PM_PRESENT: u64 = 1 << 63;
+/// pagemap: the page is swapped out.
+const PM_SWAPPED: u64 = 1 << 62;
+/// pagemap: the page is a file page (or shared anonymous memory).
+const PM_FILE: u64 = 1 << 61;
+
+/// The /proc/self/pagemap entry of each page of `addr..addr + len`.
+fn page_flags(addr: *const u8, len: usize) -> std::io::Result<Vec<u64>> {
+    let pagemap = File::open("/proc/self/pagemap")?;
+    let pages = len / PAGE;
+    let mut flags = Vec::with_capacity(pages);
+    let mut buf = vec![0u8; 8 * 4096];
+    let first = addr as u64 / PAGE as u64;
+    let mut done = 0usize;
+    while done < pages {
+        let n = (pages - done).min(buf.len() / 8);
+        pagemap.read_exact_at(&mut buf[..n * 8], (first + done as u64) * 8)?;
+        flags.extend(
+            buf[..n * 8]
+                .chunks_exact(8)
+                .map(|e| u64::from_le_bytes(e.try_into().expect("8 bytes"))),
+        );
+        done += n;
+    }
+    Ok(flags)
+}
+
+/// Which pages of `addr..addr + len` this process has in its mapping: present, or swapped out
+/// (a page the guest wrote and the host swapped is still its own: read through the mapping,
+/// it faults back in; the file behind it holds older contents).
+fn mapped_pages(addr: *const u8, len: usize) -> std::io::Result<Vec<bool>> {
+    Ok(page_flags(addr, len)?
+        .into_iter()
+        .map(|f| f & (PM_PRESENT | PM_SWAPPED) != 0)
+        .collect())
+}
+
+impl GuestRam {
+    /// For copy-on-write RAM: the pages written since it was mapped (by the guest or by this
+    /// VMM), as memory-file extents. A write to a private file mapping makes the page an
+    /// anonymous copy: present and not a file page, or swapped out. The vCPUs must be paused.
+    pub fn written_extents(&self) -> std::io::Result<Vec<Extent>> {
+        let mut extents: Vec<Extent> = Vec::new();
+        for region in self.host_regions() {
+            for (page, flags) in page_flags(region.host_addr, region.len)?
+                .into_iter()
+                .enumerate()
+            {
+                let written =
+                    (flags & PM_PRESENT != 0 && flags & PM_FILE == 0) || flags & PM_SWAPPED != 0;
+                if !written {
+                    continue;
+                }
+                let offset = region.file_offset + (page * PAGE) as u64;
+                match extents.last_mut() {
+                    Some(last) if last.end() == offset => last.len += PAGE as u64,
+                    _ => extents.push(Extent {
+                        offset,
+                        len: PAGE as u64,
+                    }),
+                }
+            }
+        }
+        Ok(extents)
+    }
+
+    /// Write the pages of `extents` (memory-file offsets, sorted) into `out` at their offsets,
+    /// pages of zeros left as holes; `out` is sized for all of RAM. Returns the bytes written.
+    /// The vCPUs must be paused.
+    pub fn write_pages(&self, out: &File, extents: &[Extent]) -> std::io::Result<u64> {
+        out.set_len(self.size())?;
+        let mut written = 0u64;
+        let mut page_buf = vec![0u8; PAGE];
+        for region in self.host_regions() {
+            let region_end = region.file_offset + region.len as u64;
+            let present = mapped_pages(region.host_addr, region.len)?;
+            for extent in extents {
+                let start = extent.offset.max(region.file_offset);
+                let end = extent.end().min(region_end);
+                let mut offset = start;
+                while offset < end {
+                    let page = usize::try_from((offset - region.file_offset) / PAGE as u64)
+                        .expect("inside a mapped region");
+                    let bytes: &[u8] = if present[page] {
+                        // SAFETY: a mapped page inside the region; the vCPUs are paused.
+                        unsafe {
+                            std::slice::from_raw_parts(region.host_addr.add(page * PAGE), PAGE)
+                        }
+                    } else {
+                        crate::memory::diff::read_chain_page(&self.chain, offset, &mut page_buf)?;
+                        &page_buf
+                    };
+                    if !is_zero(bytes) {
+                        out.write_all_at(bytes, offset)?;
+                        written += PAGE as u64;
+                    }
+                    offset += PAGE as u64;
+                }
+            }
+        }
+        Ok(written)
+    }
+}
+
+impl GuestRam {
+    /// Write guest RAM into `out` (from offset 0, at each range's file offset), skipping pages of
+    /// zeros: the file stays sparse there. The vCPUs must be paused.
+    pub fn write_sparse(&self, out: &File) -> std::io::Result<SparseWritten> {
+        let ram = self;
+        out.set_len(ram.size())?;
+        let mut written = SparseWritten {
+            bytes: 0,
+            touched: Vec::new(),
+        };
+        let mut page_buf = vec![0u8; PAGE];
+        for region in ram.host_regions() {
+            let present = mapped_pages(region.host_addr, region.len)?;
+            let extents = data_extents(&ram.backing, region.file_offset, region.len as u64)?;
+            // Pages come in increasing order: walk the extents alongside.
+            let mut extent = 0usize;
+            let mut in_backing = |offset: u64| {
+                while extent < extents.len() && extents[extent].0 + extents[extent].1 <= offset {
+                    extent += 1;
+                }
+                extent < extents.len() && extents[extent].0 <= offset
+            };
+            // Consecutive non-zero mapped pages go out in one write.
+            let mut run: Option<(usize, usize)> = None;
+            let flush = |run: &mut Option<(usize, usize)>, written: &mut SparseWritten| {
+                if let Some((first, count)) = run.take() {
+                    // SAFETY: the run lies inside the region's mapping, and the vCPUs are paused.
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts(region.host_addr.add(first * PAGE), count * PAGE)
+                    };
+                    out.write_all_at(bytes, region.file_offset + (first * PAGE) as u64)?;
+                    written.bytes += bytes.len() as u64;
+                }
+                Ok::<(), std::io::Error>(())
+            };
+            for (page, &mapped) in present.iter().enumerate() {
+                let offset = region.file_offset + (page * PAGE) as u64;
+                if mapped {
+                    if ram.kind == RamKind::CopyOnWrite {
+                        written.touched.push(offset);
+                    }
+                    // SAFETY: a mapped page inside the region; the vCPUs are paused.
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts(region.host_addr.add(page * PAGE), PAGE)
+                    };
+                    if !is_zero(bytes) {
+                        match &mut run {
+                            Some((first, count)) if *first + *count == page => *count += 1,
+                            _ => {
+                                flush(&mut run, &mut written)?;
+                                run = Some((page, 1));
+                            }
+                        }
+                        continue;
+                    }
+                } else if let Some(source) = crate::memory::diff::layer_holding(&ram.chain, offset)
+                    .filter(|layer| layer.extents.is_some())
+                    .map(|layer| &layer.file)
+                    .or_else(|| in_backing(offset).then_some(&ram.backing))
+                {
+                    // Not mapped here: the page is what the layer above the bottom that holds
+                    // it holds (a diff snapshot's chain), else what the backing file holds
+                    // (skipping its holes).
+                    source.read_exact_at(&mut page_buf, offset)?;
+                    if !is_zero(&page_buf) {
+                        flush(&mut run, &mut written)?;
+                        out.write_all_at(&page_buf, offset)?;
+                        written.bytes += PAGE as u64;
+                        continue;
+                    }
+                }
+                flush(&mut run, &mut written)?;
+            }
+            flush(&mut run, &mut written)?;
+        }
+        Ok(written)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::FileExt;
+
+    #[test]
+    fn zero_detection() {
+        let mut page = vec![0u8; PAGE];
+        assert!(is_zero(&page));
+        page[PAGE - 1] = 1;
+        assert!(!is_zero(&page));
+        assert!(is_zero(&page[1..PAGE - 1]));
+    }
+
+    #[test]
+    fn memory_file_holds_every_non_zero_page_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("mayfly-snap-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ram = GuestRam::new_memfd(4 << 20).unwrap();
+        let region = ram.host_regions()[0];
+        // SAFETY: inside the 4 MiB mapping this test owns.
+        unsafe {
+            *region.host_addr.add(8192) = 0xaa; // page 2: data
+            std::ptr::write_bytes(region.host_addr.add(3 * PAGE), 0, PAGE); // page 3: touched zeros
+        }
+        // A page present only in the backing file (written through the fd, never mapped).
+        ram.backing
+            .write_all_at(&[0xbb; 16], (100 * PAGE) as u64)
+            .unwrap();
+
+        let path = dir.join("memory");
+        let written = ram.write_sparse(&File::create(&path).unwrap()).unwrap();
+        assert_eq!(written.bytes, 2 * PAGE as u64);
+        let file = File::open(&path).unwrap();
+        assert_eq!(file.metadata().unwrap().len(), 4 << 20);
+        let mut byte = [0u8; 1];
+        file.read_exact_at(&mut byte, 8192).unwrap();
+        assert_eq!(byte, [0xaa]);
+        file.read_exact_at(&mut byte, (100 * PAGE) as u64).unwrap();
+        assert_eq!(byte, [0xbb]);
+        let data: u64 = data_extents(&file, 0, 4 << 20)
+            .unwrap()
+            .iter()
+            .map(|e| e.1)
+            .sum();
+        assert!(data < (1 << 20), "the file is sparse: {data} bytes of data");
+
+        // A copy-on-write view of that file reads the same, and records what it touched.
+        let cow = GuestRam::copy_on_write(file, &ram_ranges(4 << 20)).unwrap();
+        let cow_region = cow.host_regions()[0];
+        // SAFETY: inside the mapping.
+        unsafe { *cow_region.host_addr.add(5 * PAGE) = 0xcc };
+        let again = cow
+            .write_sparse(&File::create(dir.join("memory2")).unwrap())
+            .unwrap();
+        assert_eq!(again.bytes, 3 * PAGE as u64);
+        assert!(again.touched.contains(&((5 * PAGE) as u64)));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn extents_and_eager_copy_keep_holes() {
+        let src = memfd(8 << 20).unwrap();
+        src.write_all_at(&[1u8; 4096], 0).unwrap();
+        src.write_all_at(&[2u8; 8192], 5 << 20).unwrap();
+        let extents = data_extents(&src, 0, 8 << 20).unwrap();
+        assert_eq!(extents.len(), 2, "{extents:?}");
+        assert_eq!(extents[0].0, 0);
+        assert!(extents[1].0 <= 5 << 20 && extents[1].0 + extents[1].1 >= (5 << 20) + 8192);
+
+        let ranges = ram_ranges(8 << 20);
+        let ram = GuestRam::eager(&src, &ranges).unwrap();
+        assert_eq!(ram.kind, RamKind::Memfd);
+        let mut byte = [0u8; 1];
+        ram.backing
+            .read_exact_at(&mut byte, (5 << 20) + 100)
+            .unwrap();
+        assert_eq!(byte, [2]);
+        ram.backing.read_exact_at(&mut byte, 3 << 20).unwrap();
+        assert_eq!(byte, [0]);
+        let copied = data_extents(&ram.backing, 0, 8 << 20).unwrap();
+        let copied_bytes: u64 = copied.iter().map(|e| e.1).sum();
+        assert!(copied_bytes < 4 << 20, "holes stay holes: {copied:?}");
+    }
+
+    #[test]
+    fn freezing_keeps_contents_and_stops_writes_reaching_the_base() {
+        let mut ram = GuestRam::new_memfd(2 << 20).unwrap();
+        let region = ram.host_regions()[0];
+        // SAFETY: inside the 2 MiB mapping this test owns.
+        unsafe { *region.host_addr.add(100) = 1 };
+        let (base, copied) = ram.freeze(&[1; 16]).unwrap();
+        assert_eq!(copied, 0, "a memfd VM's memfd is the base as it is");
+        assert_eq!(ram.kind, RamKind::CopyOnWrite);
+        // SAFETY: the same address, now a private mapping of the base.
+        unsafe {
+            assert_eq!(*region.host_addr.add(100), 1);
+            *region.host_addr.add(100) = 2;
+        }
+        let mut byte = [0u8];
+        base.read_exact_at(&mut byte, 100).unwrap();
+        assert_eq!(byte, [1], "the base keeps the fork instant");
+        // Sealed: nobody can change or truncate the base any more.
+        mayfly_snapshot::check_trailer(&base, 2 << 20, &[1; 16], "base").unwrap();
+        assert!(base.set_len(4096).is_err(), "a sealed base cannot shrink");
+        assert!(
+            base.write_all_at(&[9], 100).is_err(),
+            "a sealed base cannot be written"
+        );
+        assert_eq!(ram.protect_backing(), BackingProtection::Sealed);
+
+        // Freezing a copy-on-write VM writes its current memory into a new base.
+        let (second, copied) = ram.freeze(&[2; 16]).unwrap();
+        assert_eq!(copied, 4096, "one page holds data");
+        second.read_exact_at(&mut byte, 100).unwrap();
+        assert_eq!(byte, [2]);
+        base.read_exact_at(&mut byte, 100).unwrap();
+        assert_eq!(byte, [1]);
+    }
+
+    #[test]
+    fn copy_on_write_never_changes_the_file() {
+        let src = memfd(2 << 20).unwrap();
+        src.write_all_at(&[7u8; 4096], 4096).unwrap();
+        let ranges = ram_ranges(2 << 20);
+        let ram = GuestRam::copy_on_write(src.try_clone().unwrap(), &ranges).unwrap();
+        let region = ram.host_regions()[0];
+        // SAFETY: inside the 2 MiB mapping this test owns.
+        unsafe {
+            assert_eq!(*region.host_addr.add(4096), 7);
+            *region.host_addr.add(4096) = 9;
+            assert_eq!(*region.host_addr.add(4096), 9);
+        }
+        let mut byte = [0u8; 1];
+        src.read_exact_at(&mut byte, 4096).unwrap();
+        assert_eq!(byte, [7]);
+    }
+
+    #[test]
+    fn a_chain_of_memory_files_maps_tracks_writes_and_writes_diffs() {
+        use crate::memory::diff::ChainLayer;
+        let dir = std::env::temp_dir().join(format!("mayfly-chain-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let size = 4u64 << 20;
+        let ranges = ram_ranges(size);
+        let page = |n: u64| n * PAGE as u64;
+        let base_path = dir.join("base");
+        let create = |path: &std::path::Path| {
+            File::options()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(path)
+                .unwrap()
+        };
+        let base = create(&base_path);
+        base.set_len(size).unwrap();
+        base.write_all_at(&[0x11; PAGE], page(1)).unwrap();
+        base.write_all_at(&[0x11; PAGE], page(2)).unwrap();
+        base.write_all_at(&[0x55; PAGE], page(8)).unwrap();
+        let layer = |file: &File, path: &std::path::Path, id: u8, extents: Option<Vec<Extent>>| {
+            ChainLayer {
+                file: file.try_clone().unwrap(),
+                path: path.to_path_buf(),
+                snapshot_id: [id; 16],
+                extents,
+            }
+        };
+        let read = |ram: &GuestRam, n: u64| -> u8 {
+            let region = ram.host_regions()[0];
+            // SAFETY: inside the mapping this test owns.
+            unsafe { *region.host_addr.add(usize::try_from(page(n)).unwrap()) }
+        };
+        let write = |ram: &GuestRam, n: u64, value: u8| {
+            let region = ram.host_regions()[0];
+            // SAFETY: inside the mapping this test owns.
+            unsafe {
+                std::ptr::write_bytes(
+                    region.host_addr.add(usize::try_from(page(n)).unwrap()),
+                    value,
+                    PAGE,
+                )
+            }
+        };
+
+        // Restored from the full file: a read is not a write; a write of zeros is.
+        let ram = GuestRam::copy_on_write_chain(vec![layer(&base, &base_path, 1, None)], &ranges)
+            .unwrap();
+        assert_eq!(read(&ram, 5), 0);
+        assert_eq!(read(&ram, 1), 0x11);
+        write(&ram, 2, 0x22);
+        write(&ram, 7, 0x33);
+        write(&ram, 8, 0);
+        let written = ram.written_extents().unwrap();
+        assert_eq!(
+            written,
+            vec![
+                Extent {
+                    offset: page(2),
+                    len: page(1)
+                },
+                Extent {
+                    offset: page(7),
+                    len: page(2)
+                }
+            ]
+        );
+        let diff_path = dir.join("diff");
+        let diff = create(&diff_path);
+        assert_eq!(ram.write_pages(&diff, &written).unwrap(), page(2));
+        drop(ram);
+
+        // Restored from the diff over the base: each page from the newest layer holding it,
+        // and nothing counts as written yet.
+        let chain = vec![
+            layer(&base, &base_path, 1, None),
+            layer(&diff, &diff_path, 2, Some(written.clone())),
+        ];
+        let ram = GuestRam::copy_on_write_chain(chain, &ranges).unwrap();
+        assert_eq!(
+            [read(&ram, 1), read(&ram, 2), read(&ram, 7), read(&ram, 8)],
+            [0x11, 0x22, 0x33, 0]
+        );
+        assert_eq!(ram.written_extents().unwrap(), vec![]);
+        write(&ram, 1, 0x44);
+        assert_eq!(
+            ram.written_extents().unwrap(),
+            vec![Extent {
+                offset: page(1),
+                len: page(1)
+            }]
+        );
+        // A full snapshot of it reads what it has not mapped from the right layer.
+        let full_path = dir.join("full");
+        let full = create(&full_path);
+        let unmapped = GuestRam::copy_on_write_chain(
+            vec![
+                layer(&base, &base_path, 1, None),
+                layer(&diff, &diff_path, 2, Some(written.clone())),
+            ],
+            &ranges,
+        )
+        .unwrap();
+        unmapped.write_sparse(&full).unwrap();
+        let mut byte = [0u8; 1];
+        for (n, want) in [(1, 0x11), (2, 0x22), (7, 0x33), (8, 0)] {
+            full.read_exact_at(&mut byte, page(n)).unwrap();
+            assert_eq!(byte[0], want, "page {n}");
+        }
+        // An eager restore of the chain: the diff's pages over the base's, zeros included.
+        let eager = GuestRam::eager_chain(
+            &[
+                layer(&base, &base_path, 1, None),
+                layer(&diff, &diff_path, 2, Some(written)),
+            ],
+            &ranges,
+        )
+        .unwrap();
+        assert_eq!(
+            [
+                read(&eager, 1),
+                read(&eager, 2),
+                read(&eager, 7),
+                read(&eager, 8)
+            ],
+            [0x11, 0x22, 0x33, 0]
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

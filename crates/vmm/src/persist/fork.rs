@@ -1,0 +1,697 @@
+//! The fork path: from a running VM to N running clones, each its own `mayfly` process with
+//! its own control socket, console and name.
+//!
+//! 1. Pause the parent and read its state (as a snapshot does).
+//! 2. Freeze its memory into an immutable base ([`GuestRam::freeze`]): a VM whose RAM is a
+//!    memfd hands over that memfd as is, with no copy, and carries on with a private
+//!    (copy-on-write) mapping of it; any other VM first writes its memory, sparse, into a new
+//!    memfd. The parent and every clone map the base privately: clean pages stay shared
+//!    through the page cache, each side's writes stay its own, and nobody writes the base.
+//! 3. Start the clones from a zygote ([`crate::persist::zygote`]): one `mayfly zygote` process per
+//!    fork, given the state (a sealed memfd) and the base as inherited descriptors (nothing
+//!    goes to disk), prepares the restore once and fork(2)s one child per clone, each child
+//!    making its own KVM VM. Each clone is its own process with its own control socket,
+//!    console and name, an index, a new VM generation ID (its kernel RNG reseeds) and its
+//!    wall clock set from the host.
+//! 4. Wait until every clone reports it is ready (restored, held paused), resume the parent,
+//!    answer, and let the clones all go at once once the answer is written (the fork's socket
+//!    closes with a "go" queued: see [`crate::persist::zygote::ForkEnd`] and
+//!    [`crate::persist::zygote::Release`]).
+//!
+//! Why this mechanism, measured in the test rig (benches/results/fork-rig.json, 128 MiB guest):
+//! handing the parent's memfd over as the base freezes it in ~2 ms and the parent then shares
+//! its clean pages with the clones (parent + 10 clones: 29 MiB PSS in all); copying the
+//! parent's memory into a new base instead (`MAYFLY_FORK_COPY=1`, kept to measure the
+//! alternative: `benches/run fork --compare-copy`) takes ~110 ms for 28 MiB and leaves the
+//! parent's pages unshared (55 MiB in all). fork(2) of the VMM cannot carry a KVM VM into the
+//! child (a VM belongs to the process that created it) and a forked multi-threaded process must
+//! not allocate; userfaultfd COPY would give every clone a private copy of each page it touches.
+//! A VM that is not memfd-backed (restored copy-on-write or lazily, or itself a clone) has no
+//! single file holding its memory, so its fork copies (sparse) once, and then shares as above.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use mayfly_api::ForkRequest;
+
+use crate::machine::{Machine, PauseError};
+use crate::persist::capture::{self, SnapshotCreateError};
+pub use crate::persist::zygote::CloneInfo;
+use crate::persist::zygote::{Release, Zygote, ZygoteError};
+use crate::vm::VmError;
+
+/// More clones than this in one request is a mistake, not a plan (the control socket refuses
+/// a larger count too).
+pub const MAX_CLONES: u32 = mayfly_api::MAX_FORK_COUNT;
+/// What mayfly counts a clone as costing the host at first: its VMM (measured: 1.5 MiB of host
+/// memory per idle probe clone, its KVM VM included), the guest pages it will soon write (a
+/// kernel's own bookkeeping), as a fraction of guest RAM.
+const CLONE_OVERHEAD_MIB: u64 = 2;
+const CLONE_RAM_FRACTION: u64 = 32;
+/// Tasks (threads, each with a pid) of a clone besides one per vCPU: its main thread, the
+/// signal, control socket, console input, fork-end and guest refresh threads, one per virtio
+/// device, and KVM's own worker. Counted high: a fork that runs out of pids fails half-way.
+const CLONE_TASKS: u64 = 10;
+/// Names in use skipped in one fork before it gives up.
+const MAX_SKIPPED_NAMES: u32 = 10_000;
+/// How long a clone may take to report that it runs.
+pub(crate) const READY_TIMEOUT: Duration = Duration::from_secs(120);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ForkError {
+    #[error("fork needs a count of at least 1")]
+    NoClones,
+    #[error("{0} clones in one fork is more than mayfly allows ({MAX_CLONES})")]
+    TooMany(u32),
+    #[error("forking {count} clones of a {mem_mib} MiB VM needs about {needed_mib} MiB of host memory ({per_clone}); this host has {available_mib} MiB available: fork fewer, or with overcommit if the clones will stay mostly idle")]
+    NotEnoughMemory {
+        count: u32,
+        mem_mib: u64,
+        needed_mib: u64,
+        available_mib: u64,
+        per_clone: String,
+    },
+    #[error("forking {count} clones needs about {needed} tasks (threads; each takes a pid), and {in_use} of {limit} allowed by {what} are in use: {raise}, or fork fewer")]
+    NotEnoughPids {
+        count: u32,
+        needed: u64,
+        in_use: u64,
+        limit: u64,
+        what: String,
+        raise: String,
+    },
+    #[error("forking {count} clones needs about {needed} open descriptors in this VMM (a pidfd per clone while they start), and {in_use} of its limit of {limit} (RLIMIT_NOFILE) are in use: raise it (ulimit -n, or LimitNOFILE= for a service), or fork fewer")]
+    NotEnoughDescriptors {
+        count: u32,
+        needed: u64,
+        in_use: u64,
+        limit: u64,
+    },
+    #[error("the directory of the VM's control socket, {0}, is not valid UTF-8: the clones' files go there, and their paths must be passed as text; use a UTF-8 path for --api-sock")]
+    SocketDirNotUtf8(PathBuf),
+    #[error("the VM is shutting down: nothing to fork")]
+    ShuttingDown,
+    #[error("fork needs the VM's control socket (--api-sock): clones put theirs beside it")]
+    NoSocket,
+    #[error(transparent)]
+    Name(#[from] crate::identity::IdentityError),
+    #[error(transparent)]
+    State(#[from] SnapshotCreateError),
+    #[error(transparent)]
+    Memory(#[from] crate::memory::ram::MemoryError),
+    #[error(transparent)]
+    Format(#[from] mayfly_snapshot::SnapshotError),
+    #[error("cannot {what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("no clone names are left: this VM has numbered 2^32 clones")]
+    NamesExhausted,
+    #[error("{MAX_SKIPPED_NAMES} clone names {prefix}N in {dir} in a row are taken (by files of other clones): remove stale ones or fork with another --name-prefix")]
+    NamesInUse { dir: PathBuf, prefix: String },
+    #[error(transparent)]
+    Clones(#[from] ZygoteError),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ForkError {
+    let what = what.into();
+    move |source| ForkError::Io { what, source }
+}
+
+#[derive(Debug, Serialize)]
+pub struct ForkReport {
+    pub parent: String,
+    pub clones: Vec<CloneInfo>,
+    /// Bytes copied into a new memory base (0 when the parent's own memfd became the base).
+    pub copied_bytes: u64,
+    pub pause_ms: f64,
+    pub state_ms: f64,
+    pub freeze_ms: f64,
+    /// Starting the zygote process (its exec; it then prepares the restore while this VMM
+    /// claims the clones' names, and that time is in `total_ms`).
+    pub zygote_ms: f64,
+    /// From the request until every clone was ready (they run when `release` is dropped).
+    pub total_ms: f64,
+    /// Holds the clones until dropped: the answer is written first (see [`Release`]).
+    #[serde(skip)]
+    pub release: Release,
+}
+
+fn available_mib() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? / 1024)
+}
+
+fn read_number(path: impl AsRef<Path>) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// Tasks on this host now (the total of /proc/loadavg's "running/total").
+fn tasks_in_use() -> Option<u64> {
+    let loadavg = std::fs::read_to_string("/proc/loadavg").ok()?;
+    loadavg
+        .split_whitespace()
+        .nth(3)?
+        .split('/')
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// A limit on the tasks (threads) that the clones of a fork count against.
+struct TaskLimit {
+    what: String,
+    raise: String,
+    limit: u64,
+    in_use: u64,
+}
+
+/// Every limit a clone's tasks count against: the host's pid and thread limits, the pids.max
+/// of this process's cgroup and each of its ancestors (the zygote and the clones stay in it),
+/// and RLIMIT_NPROC for a VMM that does not run as root (root is not held to it).
+fn task_limits() -> Vec<TaskLimit> {
+    let mut limits = Vec::new();
+    if let Some(in_use) = tasks_in_use() {
+        for sysctl in ["kernel.pid_max", "kernel.threads-max"] {
+            let path = format!("/proc/sys/{}", sysctl.replace('.', "/"));
+            if let Some(limit) = read_number(&path) {
+                limits.push(TaskLimit {
+                    what: sysctl.to_string(),
+                    raise: format!("raise it (sysctl -w {sysctl}=...)"),
+                    limit,
+                    in_use,
+                });
+            }
+        }
+    }
+    for (mount, leaf) in pids_cgroups() {
+        let mut dir = leaf;
+        loop {
+            // "max" (no limit) reads as no number.
+            let limit = read_number(dir.join("pids.max"));
+            let in_use = read_number(dir.join("pids.current"));
+            if let (Some(limit), Some(in_use)) = (limit, in_use) {
+                limits.push(TaskLimit {
+                    what: format!("pids.max of the cgroup {}", dir.display()),
+                    raise: format!("raise it (echo N > {})", dir.join("pids.max").display()),
+                    limit,
+                    in_use,
+                });
+            }
+            if dir == mount || !dir.pop() || !dir.starts_with(&mount) {
+                break;
+            }
+        }
+    }
+    let mut nproc = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: geteuid has no preconditions; getrlimit writes the struct given.
+    let (root, got) = unsafe {
+        (
+            libc::geteuid() == 0,
+            libc::getrlimit(libc::RLIMIT_NPROC, &mut nproc) == 0,
+        )
+    };
+    if !root && got && nproc.rlim_cur != libc::RLIM_INFINITY {
+        limits.push(TaskLimit {
+            what: "RLIMIT_NPROC of this user".into(),
+            raise: "raise it (ulimit -u)".into(),
+            limit: nproc.rlim_cur,
+            in_use: user_tasks(),
+        });
+    }
+    limits
+}
+
+/// The cgroups whose pids controller this process is in: (where the hierarchy is mounted,
+/// this process's cgroup in it), for the cgroup v2 hierarchy and a cgroup v1 `pids` one.
+fn pids_cgroups() -> Vec<(PathBuf, PathBuf)> {
+    let (Ok(mountinfo), Ok(cgroups)) = (
+        std::fs::read_to_string("/proc/self/mountinfo"),
+        std::fs::read_to_string("/proc/self/cgroup"),
+    ) else {
+        return Vec::new();
+    };
+    // /proc/self/cgroup: "hierarchy-ID:controllers:path"; "0::path" is cgroup v2.
+    let path_of = |v2: bool| {
+        cgroups.lines().find_map(|line| {
+            let mut parts = line.splitn(3, ':');
+            let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+            let wanted = if v2 {
+                controllers.is_empty()
+            } else {
+                controllers.split(',').any(|c| c == "pids")
+            };
+            wanted.then(|| path.trim_start_matches('/').to_string())
+        })
+    };
+    let mut found = Vec::new();
+    for line in mountinfo.lines() {
+        // "id parent-id major:minor root mount-point options ... - fstype source super-options"
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let mut fields = left.split_whitespace();
+        let (Some(root), Some(mount)) = (fields.nth(3), fields.next()) else {
+            continue;
+        };
+        let (root, mount) = (
+            mayfly_sys::mountinfo::unescape(root),
+            mayfly_sys::mountinfo::unescape(mount),
+        );
+        let mut right = right.split_whitespace();
+        let (fstype, super_options) = (right.next(), right.nth(1).unwrap_or(""));
+        let v2 = match fstype {
+            Some("cgroup2") => true,
+            Some("cgroup") if super_options.split(',').any(|o| o == "pids") => false,
+            _ => continue,
+        };
+        // The path is from the root of the hierarchy; the mount shows it from `root` down
+        // (a container's cgroup namespace, or a bind mount of a subtree).
+        let Some(path) = path_of(v2) else { continue };
+        let root = root.trim_start_matches('/');
+        let Some(below) = path
+            .strip_prefix(root)
+            .filter(|below| root.is_empty() || below.is_empty() || below.starts_with('/'))
+        else {
+            continue;
+        };
+        let below = below.trim_start_matches('/');
+        if below.split('/').any(|part| part == "..") {
+            continue;
+        }
+        let mount = PathBuf::from(mount);
+        found.push((mount.clone(), mount.join(below)));
+    }
+    found
+}
+
+/// Tasks (threads) of this process's real user, from /proc: best effort (in a container, or
+/// with /proc mounted hidepid, it sees fewer than RLIMIT_NPROC counts, and the fork can still
+/// fail half-way, with the clones it started killed).
+fn user_tasks() -> u64 {
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() }.to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| std::fs::read_to_string(entry.path().join("status")).ok())
+        .filter(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|ids| ids.split_whitespace().next())
+                == Some(uid.as_str())
+        })
+        .filter_map(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("Threads:"))
+                .and_then(|n| n.trim().parse::<u64>().ok())
+        })
+        .sum()
+}
+
+/// Descriptors a fork needs besides one per clone (the zygote's socket and pidfd, the state
+/// and base, the request being served, the console log being sent).
+const DESCRIPTOR_MARGIN: u64 = 32;
+
+/// This VMM's open descriptors and its RLIMIT_NOFILE.
+fn descriptors() -> Option<(u64, u64)> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct given; the result is checked.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0
+        || limit.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
+    }
+    let open = std::fs::read_dir("/proc/self/fd").ok()?.count();
+    Some((u64::try_from(open).ok()?, limit.rlim_cur))
+}
+
+/// Host memory (MiB) that `count` clones of a VM of `mem_mib` are counted as needing, and how
+/// that was counted.
+fn memory_needed(count: u32, mem_mib: u64, overcommit: bool) -> (u64, String) {
+    if overcommit {
+        (
+            u64::from(count) * CLONE_OVERHEAD_MIB,
+            format!(
+                "{CLONE_OVERHEAD_MIB} MiB per clone, its VMM; overcommit counts no guest memory"
+            ),
+        )
+    } else {
+        (
+            u64::from(count) * (CLONE_OVERHEAD_MIB + mem_mib / CLONE_RAM_FRACTION),
+            format!("{CLONE_OVERHEAD_MIB} MiB plus 1/{CLONE_RAM_FRACTION} of guest RAM per clone"),
+        )
+    }
+}
+
+/// Check a request before anything happens to the VM.
+fn check(vm: &Machine, dir: Option<&Path>, request: &ForkRequest) -> Result<(), ForkError> {
+    if request.count == 0 {
+        return Err(ForkError::NoClones);
+    }
+    if request.count > MAX_CLONES {
+        return Err(ForkError::TooMany(request.count));
+    }
+    let mem_mib = vm.ram.size() >> 20;
+    let (needed_mib, per_clone) = memory_needed(request.count, mem_mib, request.overcommit);
+    if let Some(available_mib) = available_mib() {
+        if needed_mib > available_mib {
+            return Err(ForkError::NotEnoughMemory {
+                count: request.count,
+                mem_mib,
+                needed_mib,
+                available_mib,
+                per_clone,
+            });
+        }
+    }
+    let needed = u64::from(request.count) * (u64::from(vm.info.vcpu_count) + CLONE_TASKS);
+    for limit in task_limits() {
+        if limit.in_use + needed > limit.limit {
+            return Err(ForkError::NotEnoughPids {
+                count: request.count,
+                needed,
+                in_use: limit.in_use,
+                limit: limit.limit,
+                what: limit.what,
+                raise: limit.raise,
+            });
+        }
+    }
+    if let Some((in_use, limit)) = descriptors() {
+        let needed = u64::from(request.count) + DESCRIPTOR_MARGIN;
+        if in_use + needed > limit {
+            return Err(ForkError::NotEnoughDescriptors {
+                count: request.count,
+                needed,
+                in_use,
+                limit,
+            });
+        }
+    }
+    if let Some(prefix) = &request.name_prefix {
+        crate::identity::check_name(&format!("{prefix}0"))?;
+    }
+    match dir {
+        None => Err(ForkError::NoSocket),
+        Some(dir) if dir.to_str().is_none() => Err(ForkError::SocketDirNotUtf8(dir.into())),
+        Some(_) => Ok(()),
+    }
+}
+
+/// A memfd holding `bytes`, sealed so no one can change it.
+fn sealed_memfd(bytes: &[u8]) -> Result<File, ForkError> {
+    // SAFETY: a valid NUL-terminated name; the result is checked.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"mayfly-fork-state".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    if fd < 0 {
+        return Err(io("create the fork's state file")(
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: memfd_create returned a new descriptor nothing else owns.
+    let mut file = unsafe { File::from_raw_fd(fd) };
+    file.write_all(bytes)
+        .map_err(io("write the fork's state file"))?;
+    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+    // SAFETY: fcntl on our own memfd; the result is checked.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
+        return Err(io("seal the fork's state file")(
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(file)
+}
+
+/// Create a FIFO at `path`; never replaces what is there (EEXIST then).
+fn mkfifo(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: a valid NUL-terminated path; the result is checked.
+    if unsafe { libc::mkfifo(c.as_ptr(), 0o600) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A clone's console log as this fork created it: (device, inode), so that it is reopened
+/// only if it is still that file.
+type LogIdentity = (u64, u64);
+
+/// A clone's files beside its parent's socket, claimed for it: created new (never following
+/// a symlink, never replacing anything), or `None` if something by that name exists already
+/// (a live clone of an earlier fork, or of the VM this one was restored from).
+fn claim_clone_files(
+    dir: &Path,
+    name: &str,
+    disks: bool,
+) -> Result<Option<(CloneInfo, LogIdentity)>, ForkError> {
+    let info = CloneInfo {
+        api_sock: dir.join(format!("{name}.sock")),
+        console_log: dir.join(format!("{name}.log")),
+        console_input: dir.join(format!("{name}.in")),
+        vsock: dir.join(format!("{name}.vsock")),
+        vsock_cid: 0,
+        disk_dir: disks.then(|| dir.join(format!("{name}.disks"))),
+        net: None,
+        name: name.to_string(),
+        index: 0,
+        pid: 0,
+        ready_ms: 0.0,
+    };
+    let exists = |p: &Path| std::fs::symlink_metadata(p).is_ok();
+    if exists(&info.api_sock)
+        || exists(&info.console_input)
+        || exists(&info.vsock)
+        || info.disk_dir.as_deref().is_some_and(exists)
+    {
+        return Ok(None);
+    }
+    // The log is the claim: O_CREAT | O_EXCL fails on anything that exists, symlinks included.
+    let log = match File::options()
+        .write(true)
+        .create_new(true)
+        .open(&info.console_log)
+    {
+        Ok(log) => log,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(None),
+        Err(e) => return Err(io(format!("create {}", info.console_log.display()))(e)),
+    };
+    let claimed = mkfifo(&info.console_input).and_then(|()| match &info.disk_dir {
+        // Made here, not by the clone: the name is claimed only once all of it is.
+        Some(disks) => {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(disks)
+                .inspect_err(|_| {
+                    let _ = std::fs::remove_file(&info.console_input);
+                })
+        }
+        None => Ok(()),
+    });
+    let identity = log
+        .metadata()
+        .map(|meta| {
+            use std::os::unix::fs::MetadataExt;
+            (meta.dev(), meta.ino())
+        })
+        .map_err(io(format!("read {}", info.console_log.display())));
+    match claimed {
+        // The log is closed here and opened again when the clone's request goes out: a fork
+        // of thousands would otherwise hold a descriptor per clone for nothing.
+        Ok(()) => Ok(Some((info, identity?))),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let _ = std::fs::remove_file(&info.console_log);
+            Ok(None)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&info.console_log);
+            Err(io(format!(
+                "create the FIFO {}",
+                info.console_input.display()
+            ))(e))
+        }
+    }
+}
+
+/// Open a clone's console log again to hand it to the clone: only if it is still the file
+/// this fork created (not followed if it is now a symlink, refused if it was replaced).
+fn reopen_log(info: &CloneInfo, identity: Option<&LogIdentity>) -> std::io::Result<File> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let log = File::options()
+        .append(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&info.console_log)?;
+    let meta = log.metadata()?;
+    if identity != Some(&(meta.dev(), meta.ino())) {
+        return Err(std::io::Error::other(
+            "it is not the file this fork created (it was replaced)",
+        ));
+    }
+    Ok(log)
+}
+
+/// A vsock CID for a clone: random, so that no two clones of one VM (or of its clones) are
+/// likely to share one (each has its own device and socket either way).
+fn clone_cid() -> Result<u64, ForkError> {
+    let mut bytes = [0u8; 4];
+    crate::identity::host_random(&mut bytes).map_err(io("get random bytes for a clone's CID"))?;
+    // 3 and up (0-2 are reserved), below u32::MAX.
+    Ok(1000 + u64::from(u32::from_le_bytes(bytes) % (u32::MAX - 2000)))
+}
+
+/// Fork the machine into `request.count` clones whose files go into `dir` (the directory of
+/// the parent's control socket).
+pub fn fork(
+    vm: &mut Machine,
+    dir: Option<&Path>,
+    request: &ForkRequest,
+) -> Result<ForkReport, ForkError> {
+    let start = Instant::now();
+    mayfly_sys::trace::event("fork_requested");
+    check(vm, dir, request)?;
+    let dir = dir.ok_or(ForkError::NoSocket)?.to_path_buf();
+    let was_running = !vm.paused();
+    if was_running {
+        vm.pause().map_err(|e| match e {
+            PauseError::Vm(VmError::VcpuGone(_)) => ForkError::ShuttingDown,
+            other => ForkError::Io {
+                what: "pause the VM".into(),
+                source: std::io::Error::other(other.to_string()),
+            },
+        })?;
+    }
+    let pause_ms = start.elapsed().as_secs_f64() * 1e3;
+    mayfly_sys::trace::event("fork_paused");
+    let result = fork_paused(vm, request, &dir, start, pause_ms);
+    if was_running && !request.parent_paused {
+        vm.resume();
+    }
+    result
+}
+
+fn fork_paused(
+    vm: &mut Machine,
+    request: &ForkRequest,
+    dir: &Path,
+    start: Instant,
+    pause_ms: f64,
+) -> Result<ForkReport, ForkError> {
+    // Writable disks freeze first: the clones stack their own layers on the frozen chain, the
+    // parent goes on on a new top of its own (metadata only, whatever the disks hold).
+    vm.devices
+        .freeze_disks()
+        .map_err(SnapshotCreateError::from)?;
+    let disks = vm.devices.has_writable_disks();
+    let state = capture::capture_state(vm)?;
+    let state_file = sealed_memfd(&mayfly_snapshot::file::encode(
+        &capture::header(vm),
+        &state,
+    )?)?;
+    let state_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms;
+    mayfly_sys::trace::event("fork_state_captured");
+
+    // MAYFLY_FORK_COPY: measure the alternative to handing the memory over (see above).
+    let (base, copied_bytes) = if std::env::var_os("MAYFLY_FORK_COPY").is_some() {
+        vm.ram.copy_to_memfd(&state.snapshot_id)?
+    } else {
+        // A lazily restored VM's handler may still be loading pages: stop it before its
+        // mapping is replaced (its copies would fail on the new one). Nothing is lost: the
+        // base is written from what is mapped and, for the rest, from the snapshot's file.
+        drop(vm.lazy.take());
+        vm.ram.freeze(&state.snapshot_id)?
+    };
+    let freeze_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms - state_ms;
+    mayfly_sys::trace::event("fork_frozen");
+
+    // The zygote starts (exec) while this VMM claims the clones' names.
+    let zygote = Zygote::spawn(&state_file, &base)?;
+    mayfly_sys::trace::event("fork_zygote_spawned");
+    let zygote_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms - state_ms - freeze_ms;
+
+    let parent = vm.info.identity.name.clone();
+    let prefix = request
+        .name_prefix
+        .clone()
+        .unwrap_or_else(|| format!("{parent}-"));
+    let mut claimed = Vec::with_capacity(request.count as usize);
+    let mut logs = std::collections::HashMap::new();
+    let mut skipped = 0u32;
+    while claimed.len() < request.count as usize {
+        if skipped > MAX_SKIPPED_NAMES {
+            return Err(ForkError::NamesInUse {
+                dir: dir.to_path_buf(),
+                prefix,
+            });
+        }
+        let index = vm.info.next_clone;
+        vm.info.next_clone = index.checked_add(1).ok_or(ForkError::NamesExhausted)?;
+        let name = format!("{prefix}{index}");
+        crate::identity::check_name(&name)?;
+        // A name in use (by a live clone of an earlier fork) is skipped, not reused.
+        let Some((info, log)) = claim_clone_files(dir, &name, disks)? else {
+            skipped += 1;
+            continue;
+        };
+        logs.insert(index, log);
+        let vsock_cid = clone_cid()?;
+        claimed.push(CloneInfo {
+            index,
+            vsock_cid,
+            net: vm.devices.net_settings().cloned(),
+            ..info
+        });
+    }
+    mayfly_sys::trace::event("fork_clones_claimed");
+    let open_log = |info: &CloneInfo| reopen_log(info, logs.get(&info.index));
+    let (clones, release) =
+        zygote.start_clones(&parent, claimed, &open_log, start, READY_TIMEOUT)?;
+    mayfly_sys::trace::event("fork_clones_ready");
+    Ok(ForkReport {
+        parent,
+        clones,
+        copied_bytes,
+        pause_ms,
+        state_ms,
+        freeze_ms,
+        zygote_ms,
+        total_ms: start.elapsed().as_secs_f64() * 1e3,
+        release,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overcommit_counts_the_clones_vmms_and_not_their_guest_memory() {
+        // 10,000 idle clones of a 128 MiB VM: 60 GB counted in full, 20 GB overcommitted.
+        assert_eq!(memory_needed(10_000, 128, false).0, 60_000);
+        assert_eq!(memory_needed(10_000, 128, true).0, 20_000);
+        assert!(memory_needed(1, 128, true).1.contains("overcommit"));
+    }
+}
