@@ -23,7 +23,7 @@ use crate::process::{
     base_env, configure, exit_record, poll, poll_timeout, pollfd, spawn_failure, Switch,
     WaitResult, Waiter, EXIT_GRACE, KILL_GRACE,
 };
-use crate::session::{send, OpError, SessionError, SessionResult};
+use crate::op::{send, OpError, SessionError, SessionResult};
 use crate::sys::{self, bytes_readable, kill_group, set_nonblocking};
 use crate::users;
 

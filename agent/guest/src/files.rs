@@ -13,7 +13,7 @@ use mayfly_agent_protocol::{
 };
 
 use crate::conn::Conn;
-use crate::session::{send_ok, OpError, SessionError, SessionResult};
+use crate::op::{send_ok, OpError, SessionError, SessionResult};
 
 /// How much JSON one ENTRIES frame carries at most: well under MAX_FRAME, and a single
 /// entry (a 255-byte name, escaped six times over at worst) always fits.

@@ -26,6 +26,7 @@ mod conn;
 mod exec;
 mod files;
 mod init;
+mod op;
 mod process;
 mod refresh;
 mod session;
@@ -41,7 +42,7 @@ use std::time::Duration;
 use mayfly_agent_protocol::DEFAULT_VSOCK_PORT;
 
 use conn::{ListenAddr, Listener};
-use session::Config;
+use op::Config;
 
 const USAGE: &str = "\
 usage: mayfly-agent [--listen vsock:PORT | --listen unix:PATH] [--init] [options]

@@ -14,7 +14,7 @@ use mayfly_agent_protocol::{
 
 use crate::conn::Conn;
 use crate::process::{base_env, run_captured, spawn_failure};
-use crate::session::{send_ok, Config, OpError, SessionResult};
+use crate::op::{send_ok, Config, OpError, SessionResult};
 use crate::sys::{self, cvt};
 use crate::users;
 

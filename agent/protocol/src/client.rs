@@ -4,7 +4,7 @@
 //! the `CONNECT <port>` handshake on the device's Unix socket). One operation per
 //! connection, so every op method takes `self`: a client cannot be reused by mistake.
 //!
-//! Nothing the agent sends is trusted: frames are bounded by [`crate::MAX_FRAME`] and every
+//! Nothing the agent sends is trusted: frames are bounded by [`crate::params::MAX_FRAME`] and every
 //! frame that is not the one the session allows next is a [`ProtocolError::Unexpected`].
 
 use std::io::{self, Cursor, Read, Write};
@@ -17,9 +17,10 @@ use std::thread;
 use serde::de::DeserializeOwned;
 
 use crate::error::{Error, ProtocolError};
-use crate::frame::{read_message, write_frame, write_message, FrameType};
+use crate::frame::write_frame;
+use crate::frame_type::FrameType;
 use crate::messages::*;
-use crate::{CHUNK_SIZE, PROTOCOL_VERSION};
+use crate::params::{CHUNK_SIZE, PROTOCOL_VERSION};
 
 /// A stream that can be split into a second handle for writing while one thread reads,
 /// and shut down. Exec needs it: stdin and signals go out while output comes in.

@@ -6,9 +6,9 @@
 
 use std::io;
 
-use crate::frame::FrameType;
-use crate::messages::ErrorCode;
-use crate::MAX_FRAME;
+use crate::error_code::ErrorCode;
+use crate::frame_type::FrameType;
+use crate::params::MAX_FRAME;
 
 /// The peer broke the protocol. The connection is unusable afterwards: close it.
 #[derive(Debug, thiserror::Error)]

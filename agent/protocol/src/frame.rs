@@ -2,81 +2,11 @@
 //! `1 <= L <= MAX_FRAME`. Readers check the length before they allocate or read anything
 //! else, so a hostile peer can make us hold at most one `MAX_FRAME` buffer.
 
-use std::fmt;
 use std::io::{self, Read, Write};
 
 use crate::error::{FrameError, ProtocolError};
-use crate::messages::Message;
-use crate::MAX_FRAME;
-
-/// A frame's type byte.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum FrameType {
-    Hello = 0x01,
-    Request = 0x02,
-    Stdin = 0x03,
-    Stdout = 0x04,
-    Stderr = 0x05,
-    Exit = 0x06,
-    Signal = 0x07,
-    Ok = 0x08,
-    Error = 0x09,
-    Data = 0x0A,
-    Started = 0x0B,
-    Entries = 0x0C,
-}
-
-impl FrameType {
-    /// The type for a byte, or `None` for a byte this protocol version does not define.
-    pub fn from_byte(byte: u8) -> Option<FrameType> {
-        use FrameType::*;
-        Some(match byte {
-            0x01 => Hello,
-            0x02 => Request,
-            0x03 => Stdin,
-            0x04 => Stdout,
-            0x05 => Stderr,
-            0x06 => Exit,
-            0x07 => Signal,
-            0x08 => Ok,
-            0x09 => Error,
-            0x0A => Data,
-            0x0B => Started,
-            0x0C => Entries,
-            _ => return None,
-        })
-    }
-
-    pub fn as_byte(self) -> u8 {
-        self as u8
-    }
-
-    /// The name the documentation uses, e.g. `"STDOUT"`.
-    pub fn name(self) -> &'static str {
-        use FrameType::*;
-        match self {
-            Hello => "HELLO",
-            Request => "REQUEST",
-            Stdin => "STDIN",
-            Stdout => "STDOUT",
-            Stderr => "STDERR",
-            Exit => "EXIT",
-            Signal => "SIGNAL",
-            Ok => "OK",
-            Error => "ERROR",
-            Data => "DATA",
-            Started => "STARTED",
-            Entries => "ENTRIES",
-        }
-    }
-}
-
-impl fmt::Display for FrameType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+use crate::frame_type::FrameType;
+use crate::params::MAX_FRAME;
 
 /// One frame: its type and its raw payload (JSON text or bytes, depending on the type).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -163,22 +93,6 @@ fn read_exact_or_truncated<R: Read + ?Sized>(r: &mut R, buf: &mut [u8]) -> Resul
             FrameError::Io(e)
         }
     })
-}
-
-/// Reads and decodes one message; `Ok(None)` at a clean end of stream.
-pub fn read_message<R: Read + ?Sized>(r: &mut R) -> Result<Option<Message>, FrameError> {
-    match read_frame(r)? {
-        Some(frame) => Ok(Some(Message::from_frame(frame)?)),
-        None => Ok(None),
-    }
-}
-
-/// Encodes and writes one message.
-pub fn write_message<W: Write + ?Sized>(w: &mut W, msg: &Message) -> Result<(), FrameError> {
-    let buf = msg.encode()?;
-    w.write_all(&buf)?;
-    w.flush()?;
-    Ok(())
 }
 
 /// An incremental decoder for readers that cannot block (an event loop): push whatever bytes

@@ -25,28 +25,15 @@
 pub mod base64;
 pub mod client;
 pub mod error;
+pub mod error_code;
 pub mod frame;
+pub mod frame_type;
 pub mod messages;
+pub mod params;
 
 pub use client::{AgentClient, Duplex, ExecOutput, Signaller, WriteFileOptions};
 pub use error::{Error, FrameError, ProtocolError};
-pub use frame::{
-    encode_frame, read_frame, read_message, write_frame, write_message, Frame, FrameDecoder,
-    FrameType,
-};
+pub use frame::{encode_frame, read_frame, write_frame, Frame, FrameDecoder};
+pub use frame_type::FrameType;
 pub use messages::*;
-
-/// The protocol's version. A new optional field keeps it; a changed meaning bumps it.
-pub const PROTOCOL_VERSION: u32 = 1;
-
-/// The largest frame length (the 4-byte prefix's value): a type byte plus 1 MiB of payload.
-pub const MAX_FRAME: usize = 1024 * 1024 + 1;
-
-/// The largest payload a frame can carry.
-pub const MAX_PAYLOAD: usize = MAX_FRAME - 1;
-
-/// How much output or file data one STDOUT, STDERR or DATA frame carries at most.
-pub const CHUNK_SIZE: usize = 64 * 1024;
-
-/// The vsock port the agent listens on unless told otherwise.
-pub const DEFAULT_VSOCK_PORT: u32 = 52;
+pub use params::{CHUNK_SIZE, DEFAULT_VSOCK_PORT, MAX_FRAME, MAX_PAYLOAD, PROTOCOL_VERSION};

@@ -8,8 +8,10 @@ use std::fmt;
 use serde::de::{self, DeserializeOwned, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::error::ProtocolError;
-use crate::frame::{encode_frame, Frame, FrameType};
+pub use crate::error_code::ErrorCode;
+use crate::error::{FrameError, ProtocolError};
+use crate::frame::{encode_frame, Frame};
+use crate::frame_type::FrameType;
 
 /// Every op a version-1 agent implements, in the order PROTOCOL.md lists them.
 pub const OPS: &[&str] = &[
@@ -173,59 +175,12 @@ pub fn parse_reply<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, P
 /// The agent's greeting, the first frame on every connection.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
-    /// [`crate::PROTOCOL_VERSION`] of the agent.
+    /// [`crate::params::PROTOCOL_VERSION`] of the agent.
     pub protocol: u32,
     /// `"mayfly-agent <version>"`.
     pub agent: String,
     /// The op names the agent implements.
     pub ops: Vec<String>,
-}
-
-/// Error codes of an ERROR frame.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ErrorCode {
-    /// The path, user or directory does not exist.
-    NotFound,
-    /// The guest refused access.
-    Permission,
-    /// The request is malformed or asks for something impossible.
-    Invalid,
-    /// An input/output error inside the guest.
-    Io,
-    /// The op (or a feature of it) is not implemented by this agent.
-    Unsupported,
-    /// The agent is serving as many connections as it allows; retry later.
-    Busy,
-    /// Something took too long (e.g. no REQUEST arrived in time).
-    Timeout,
-    /// The host broke the protocol (bad frame, wrong frame type).
-    Protocol,
-    /// A code this client does not know (from a newer agent).
-    #[serde(other)]
-    Other,
-}
-
-impl ErrorCode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ErrorCode::NotFound => "not_found",
-            ErrorCode::Permission => "permission",
-            ErrorCode::Invalid => "invalid",
-            ErrorCode::Io => "io",
-            ErrorCode::Unsupported => "unsupported",
-            ErrorCode::Busy => "busy",
-            ErrorCode::Timeout => "timeout",
-            ErrorCode::Protocol => "protocol",
-            ErrorCode::Other => "other",
-        }
-    }
-}
-
-impl fmt::Display for ErrorCode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 /// An ERROR frame's payload.
@@ -927,3 +882,20 @@ pub struct PingReply {
     pub protocol: u32,
     pub agent: String,
 }
+
+/// Reads and decodes one message; `Ok(None)` at a clean end of stream.
+pub fn read_message<R: std::io::Read + ?Sized>(r: &mut R) -> Result<Option<Message>, FrameError> {
+    match crate::frame::read_frame(r)? {
+        Some(frame) => Ok(Some(Message::from_frame(frame)?)),
+        None => Ok(None),
+    }
+}
+
+/// Encodes and writes one message.
+pub fn write_message<W: std::io::Write + ?Sized>(w: &mut W, msg: &Message) -> Result<(), FrameError> {
+    let buf = msg.encode()?;
+    w.write_all(&buf)?;
+    w.flush()?;
+    Ok(())
+}
+

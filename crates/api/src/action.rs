@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 use std::sync::mpsc::Sender;
+use std::time::Duration;
 
 use crate::reply::Reply;
 
@@ -41,6 +42,10 @@ pub enum Action {
 /// The most clones one fork request may ask for: more than this in one request is a mistake,
 /// not a plan. The server refuses a larger `count`; the fork path holds to the same bound.
 pub const MAX_FORK_COUNT: u32 = 10_000;
+
+/// How long a fork waits for its clones to be ready before it gives up on them (and stops
+/// them); requests into a clone its fork still holds wait as long.
+pub const FORK_READY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// What a fork request asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -42,7 +42,7 @@ pub mod reply;
 pub mod route;
 pub mod server;
 
-pub use action::{Action, ApiCall, ForkRequest, MAX_FORK_COUNT};
+pub use action::{Action, ApiCall, ForkRequest, FORK_READY_TIMEOUT, MAX_FORK_COUNT};
 pub use client::{request, request_with_timeout};
 pub use error::ApiError;
 pub use guest::{check_exec_body, GuestRoutes};

@@ -720,8 +720,9 @@ fn start_clone(prepared: restore::Prepared, instance: Instance, report: Reporter
     with_stop_signals(Some(report), |signals| {
         serve(&console, signals, Raw::BeforeStart, || {
             let claims = restore::Claims::take(&instance).map_err(Error::Restore)?;
-            let mut controller =
+            let vmm =
                 restore::start(prepared, instance, claims, started).map_err(Error::Restore)?;
+            let mut controller = Controller::new(vmm);
             // Restored paused: it runs once its fork has every clone ready (see ForkEnd).
             controller.hold_for_fork();
             Ok(controller)
@@ -836,7 +837,9 @@ fn run(args: RunArgs) -> ExitCode {
     with_stop_signals(None, |started| {
         let console = config.console.clone();
         serve(&console, started, Raw::BeforeStart, || {
-            boot::boot(&config).map_err(Error::Boot)
+            boot::boot(&config)
+                .map(Controller::new)
+                .map_err(Error::Boot)
         })
     })
 }
@@ -876,14 +879,20 @@ fn restore_started(args: RestoreArgs, started: Started) -> ExitCode {
                     memory,
                     instance,
                 };
-                restore::restore(config).map_err(Error::Restore)
+                restore::restore(config)
+                    .map(Controller::new)
+                    .map_err(Error::Restore)
             },
         ),
         None => serve(
             &console,
             Started { signals, ready },
             Raw::OnceRunning,
-            || mayfly_vmm::persist::standby::stand_by(instance, memory).map_err(Error::Restore),
+            || {
+                mayfly_vmm::persist::standby::stand_by(instance, memory)
+                    .map(Controller::new)
+                    .map_err(Error::Restore)
+            },
         ),
     }
 }

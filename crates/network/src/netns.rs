@@ -15,7 +15,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use crate::NetworkError;
+use crate::error::NetworkError;
 
 /// Enter the network namespace `ns` (this thread only).
 pub(crate) fn setns(ns: RawFd) -> io::Result<()> {

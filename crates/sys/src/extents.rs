@@ -1,4 +1,4 @@
-//! Where a file holds data and where it has holes (SEEK_DATA / SEEK_HOLE).
+//! Where a file holds data and where it has holes (SEEK_DATA / SEEK_HOLE), and holes punched.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -53,4 +53,25 @@ pub fn data_extents(file: &File, start: u64, len: u64) -> std::io::Result<Vec<(u
         pos = hole;
     }
     Ok(extents)
+}
+
+/// Make `offset..offset + len` of `file` a hole (zeros).
+pub fn punch_hole(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
+    let off = |v: u64| {
+        libc::off_t::try_from(v).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+    };
+    // SAFETY: fallocate on a descriptor we own; the result is checked.
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            off(offset)?,
+            off(len)?,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }

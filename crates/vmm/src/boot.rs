@@ -1,5 +1,5 @@
-//! The boot path, start to finish: from a [`RunConfig`] to a running VM under its
-//! [`Controller`].
+//! The boot path, start to finish: from a [`RunConfig`] to a running VM, a [`Vmm`] for its
+//! caller to drive.
 //!
 //! 1. Open KVM, make guest RAM (a memfd) and the VM: memory slots first, then the in-kernel
 //!    irqchip and PIT (a slot added after the irqchip costs milliseconds on some hosts).
@@ -22,7 +22,8 @@ use crate::arch::layout::e820_map;
 use crate::arch::regs::{self, EntryMode};
 use crate::arch::{acpi, mptable};
 use crate::config::{ConfigError, RunConfig};
-use crate::controller::Controller;
+use crate::guest::refresh::Refresh;
+use crate::runtime::Vmm;
 use crate::devices::console;
 use crate::devices::manager::{DeviceError, DeviceManager, Wiring};
 use crate::identity::{self, Identity, IdentityError};
@@ -70,7 +71,7 @@ pub enum BootError {
 }
 
 /// Boot the guest described by `config`; returns once every vCPU runs.
-pub fn boot(config: &RunConfig) -> Result<Controller, BootError> {
+pub fn boot(config: &RunConfig) -> Result<Vmm, BootError> {
     let started = std::time::Instant::now();
     // 0. The socket paths, claimed before anything else: of two VMMs started on one path, the
     // second stops here.
@@ -200,18 +201,18 @@ pub fn boot(config: &RunConfig) -> Result<Controller, BootError> {
             memory_protection: crate::memory::ram::BackingProtection::Private,
         },
     };
-    let mut controller = Controller::new(machine, events, event_sender.clone());
-    controller.vsock_claim = vsock_claim;
-
     // 5. The control socket, the vCPU threads, the console's input.
-    if let Some(claim) = api_claim {
-        controller.start_api(claim)?;
-    }
-    let m = &mut controller.machine;
+    let mut refresh = Refresh::default();
+    let vsock = machine.devices.vsock().and_then(|(path, _)| path);
+    let api = api_claim
+        .map(|claim| crate::runtime::serve_api(claim, event_sender.clone(), vsock, &refresh.status))
+        .transpose()?;
+    let mut machine = machine;
+    let m = &mut machine;
     let context = VcpuContext {
         pio: m.devices.pio.clone(),
         mmio: m.devices.mmio.clone(),
-        events: event_sender,
+        events: event_sender.clone(),
         trace: breakpoints,
     };
     // A jailed VMM is shut into its root now, before any guest code runs.
@@ -226,11 +227,19 @@ pub fn boot(config: &RunConfig) -> Result<Controller, BootError> {
     )
     .map_err(BootError::Thread)?;
     // 6. Once its agent is up, tell the guest its name.
-    controller.refresh_guest(
+    refresh.start(
+        &machine,
         mayfly_agent_protocol::RefreshEvent::Boot,
         crate::guest::agent::BOOT_WAIT,
     );
-    Ok(controller)
+    Ok(Vmm {
+        machine,
+        events,
+        event_sender,
+        api,
+        vsock_claim,
+        refresh,
+    })
 }
 
 /// Create and configure every vCPU (all but the boot registers of vCPU 0).

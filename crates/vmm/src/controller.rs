@@ -5,18 +5,16 @@
 
 use std::path::Path;
 use std::sync::mpsc::{Receiver, Sender};
-use std::sync::Arc;
-use std::time::Duration;
 
-use mayfly_agent_protocol::RefreshEvent;
 
 use mayfly_devices::PowerRequest;
 
 use crate::event::{VmEvent, VmExit};
-use crate::guest::refresh::RefreshStatus;
+use crate::guest::refresh::Refresh;
 use crate::machine::Machine;
+use crate::runtime::Vmm;
 use crate::persist::fork::ForkError;
-use mayfly_api::{Action, ApiError, ApiServer, Reply};
+use mayfly_api::{Action, ApiServer, Reply};
 use mayfly_sys::claim::SocketClaim;
 
 /// What the network routes answer for a VM without a NIC.
@@ -46,9 +44,7 @@ pub struct Controller {
     /// The claim on the vsock socket's path, let go after the device removed its socket.
     pub vsock_claim: Option<SocketClaim>,
     /// The refresh of the guest through its agent (clock, entropy, name, hooks).
-    refresh: Arc<RefreshStatus>,
-    /// A refresh to start once a paused VM resumes (its agent cannot answer before).
-    pending_refresh: Option<(RefreshEvent, Duration)>,
+    refresh: Refresh,
     /// A clone held paused until its fork has every clone ready ([`VmEvent::ForkEnded`] lets
     /// it go, unless its user paused or resumed it meanwhile).
     held_for_fork: bool,
@@ -62,44 +58,27 @@ impl mayfly_api::Delivery for crate::persist::zygote::Release {
 }
 
 impl Controller {
-    pub fn new(machine: Machine, events: Receiver<VmEvent>, event_sender: Sender<VmEvent>) -> Self {
-        Self {
-            api: None,
+    /// Drive `vmm`: from now on its events are this controller's, and its guest is told what
+    /// happened to it (booted, restored, forked) once its agent is up.
+    pub fn new(vmm: Vmm) -> Self {
+        let Vmm {
             machine,
             events,
             event_sender,
-            vsock_claim: None,
-            refresh: Arc::default(),
-            pending_refresh: None,
+            api,
+            vsock_claim,
+            refresh,
+        } = vmm;
+        let controller = Self {
+            api,
+            machine,
+            events,
+            event_sender,
+            vsock_claim,
+            refresh,
             held_for_fork: false,
-        }
-    }
-
-    /// Tell the guest what happened to it (booted, restored, forked) through its agent: the
-    /// host's clock, fresh entropy, its name, its hook scripts. Runs on a thread of its own,
-    /// waiting up to `wait` for the agent; a paused VM gets it when it resumes. Exec and file
-    /// requests wait for it, so that nothing runs in a clone before it is told it is one.
-    /// A VM without a vsock device (or the probe guest, which has no agent) has nothing to do.
-    pub fn refresh_guest(&mut self, event: RefreshEvent, wait: Duration) {
-        if self.machine.info.probe {
-            return;
-        }
-        let Some((Some(vsock), _)) = self.machine.devices.vsock() else {
-            return;
         };
-        if self.machine.paused() {
-            self.pending_refresh = Some((event, wait));
-            return;
-        }
-        let identity = self.machine.info.identity.clone();
-        // A clone's NIC has a MAC of its own, which its guest takes on now (a restored or
-        // booted VM's guest has it already: setting it again changes nothing).
-        let mac = self.machine.devices.network().map(|n| n.guest().mac);
-        if let Err(e) =
-            crate::guest::refresh::spawn_refresh(&vsock, event, identity, mac, wait, &self.refresh)
-        {
-            eprintln!("mayfly: cannot start the guest refresh: {e}");
-        }
+        controller
     }
 
     /// Hold this restored, paused clone until its fork ends ([`VmEvent::ForkEnded`]). Until
@@ -107,8 +86,9 @@ impl Controller {
     /// refreshed rather than being refused as paused.
     pub fn hold_for_fork(&mut self) {
         self.held_for_fork = true;
-        if self.pending_refresh.is_some() {
+        if self.refresh.pending() {
             self.refresh
+                .status
                 .set(crate::guest::refresh::RefreshState::Running);
         }
     }
@@ -118,25 +98,7 @@ impl Controller {
     fn resume(&mut self) {
         self.held_for_fork = false;
         self.machine.resume();
-        if let Some((event, wait)) = self.pending_refresh.take() {
-            self.refresh_guest(event, wait);
-        }
-    }
-
-    /// Serve the control socket on the path `claim` holds.
-    pub fn start_api(&mut self, claim: SocketClaim) -> Result<(), ApiError> {
-        let vsock = self.machine.devices.vsock().and_then(|(path, _)| path);
-        self.api = Some(ApiServer::start_claimed(
-            claim,
-            self.event_sender.clone(),
-            VmEvent::Api,
-            mayfly_api::Timeouts::default(),
-            Arc::new(crate::guest::routes::Routes {
-                vsock,
-                refresh: self.refresh.clone(),
-            }),
-        )?);
-        Ok(())
+        self.refresh.resumed(&self.machine);
     }
 
     /// Serve requests until something ends the VM, then stop every vCPU.
@@ -204,8 +166,10 @@ impl Controller {
                 self.held_for_fork = false;
                 // Its refresh waits for its resume now, like any paused VM's: requests into
                 // its guest get 409 rather than waiting for a fork's end that no longer frees it.
-                if self.pending_refresh.is_some() {
-                    self.refresh.set(crate::guest::refresh::RefreshState::Idle);
+                if self.refresh.pending() {
+                    self.refresh
+                        .status
+                        .set(crate::guest::refresh::RefreshState::Idle);
                 }
                 (Reply::no_content(), None)
             }
@@ -305,38 +269,6 @@ impl Controller {
 
     /// What `GET /vm` answers.
     pub fn describe(&self) -> serde_json::Value {
-        let m = &self.machine;
-        let id = &m.info.identity;
-        let vsock = m.devices.vsock();
-        serde_json::json!({
-            "name": id.name,
-            "clone_index": id.index,
-            "parent": id.parent,
-            "generation": id.generation,
-            // A clone restored and held until its fork has every clone ready: it runs then.
-            "state": match (m.paused(), self.held_for_fork) {
-                (true, true) => "starting",
-                (true, false) => "paused",
-                (false, _) => "running",
-            },
-            "origin": m.info.origin,
-            "memory_mode": m.ram.kind.name(),
-            "vcpus": m.info.vcpu_count,
-            "mem_mib": m.ram.size() >> 20,
-            "cmdline": m.info.cmdline,
-            "uptime_ms": u64::try_from(m.info.started.elapsed().as_millis()).unwrap_or(u64::MAX),
-            "pid": mayfly_jail::jail::host_pid(),
-            "jail": mayfly_jail::jail::current().map(mayfly_jail::jail::Jail::describe),
-            "agent_refresh": self.refresh.word(),
-            "vsock": vsock.as_ref().map(|(path, cid)| serde_json::json!({
-                "path": path,
-                "guest_cid": cid,
-            })),
-            "net": m.devices.network().map(|n| serde_json::json!({
-                "policy": n.policy().to_string(),
-                "mac": crate::devices::net::mac_text(n.guest().mac),
-                "outside_ip": n.outside_ip().to_string(),
-            })),
-        })
+        crate::runtime::describe(&self.machine, &self.refresh.status, self.held_for_fork)
     }
 }

@@ -36,6 +36,7 @@ pub mod kernel;
 pub mod machine;
 pub mod memory;
 pub mod persist;
+pub mod runtime;
 pub mod trace;
 pub mod vcpu;
 pub mod vm;

@@ -14,7 +14,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use super::DiskError;
+use crate::disk::error::DiskError;
 
 /// Bytes per block: the unit a layer stores and maps.
 pub const BLOCK_SIZE: u64 = 4096;

@@ -11,6 +11,7 @@ use mayfly_agent_protocol::{RefreshEvent, RefreshReply};
 
 use crate::guest::agent::Agent;
 use crate::identity::Identity;
+use crate::machine::Machine;
 
 /// Where the VMM's refresh of the guest is.
 #[derive(Clone, Debug, PartialEq)]
@@ -107,4 +108,54 @@ pub fn spawn_refresh(
         )));
     }
     spawned.map(drop)
+}
+
+/// The refresh of one VM's guest: started once the VM runs, or, for a VM that is paused, held
+/// until it resumes (its agent cannot answer before).
+#[derive(Debug, Default)]
+pub struct Refresh {
+    /// Where it is, shared with the control socket's guest routes, which wait for it.
+    pub status: Arc<RefreshStatus>,
+    /// A refresh to start once the paused VM resumes.
+    pending: Option<(RefreshEvent, Duration)>,
+}
+
+impl Refresh {
+    /// Tell the guest what happened to it (booted, restored, forked) through its agent: the
+    /// host's clock, fresh entropy, its name, its hook scripts. Runs on a thread of its own,
+    /// waiting up to `wait` for the agent; a paused VM gets it when it resumes
+    /// ([`Refresh::resumed`]). Exec and file requests wait for it, so that nothing runs in a
+    /// clone before it is told it is one. A VM without a vsock device (or the probe guest,
+    /// which has no agent) has nothing to do.
+    pub fn start(&mut self, machine: &Machine, event: RefreshEvent, wait: Duration) {
+        if machine.info.probe {
+            return;
+        }
+        let Some((Some(vsock), _)) = machine.devices.vsock() else {
+            return;
+        };
+        if machine.paused() {
+            self.pending = Some((event, wait));
+            return;
+        }
+        let identity = machine.info.identity.clone();
+        // A clone's NIC has a MAC of its own, which its guest takes on now (a restored or
+        // booted VM's guest has it already: setting it again changes nothing).
+        let mac = machine.devices.network().map(|n| n.guest().mac);
+        if let Err(e) = spawn_refresh(&vsock, event, identity, mac, wait, &self.status) {
+            eprintln!("mayfly: cannot start the guest refresh: {e}");
+        }
+    }
+
+    /// The VM resumed: start a refresh that had to wait for it.
+    pub fn resumed(&mut self, machine: &Machine) {
+        if let Some((event, wait)) = self.pending.take() {
+            self.start(machine, event, wait);
+        }
+    }
+
+    /// Whether a refresh waits for the VM to resume.
+    pub fn pending(&self) -> bool {
+        self.pending.is_some()
+    }
 }

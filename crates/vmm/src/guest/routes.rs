@@ -26,7 +26,7 @@ use crate::guest::refresh::{RefreshState, RefreshStatus};
 const REFRESH_WAIT: Duration = Duration::from_secs(30);
 /// How long a request waits for a clone its fork still holds: the fork's own bound on its
 /// clones being ready, after which it kills them.
-const HELD_WAIT: Duration = crate::persist::fork::READY_TIMEOUT;
+const HELD_WAIT: Duration = mayfly_api::FORK_READY_TIMEOUT;
 
 /// The guest routes of one VM: its vsock socket (host side), if it has one, and its refresh
 /// after a restore or fork, which guest routes wait for.

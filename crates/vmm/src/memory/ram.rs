@@ -12,7 +12,7 @@
 //! [`GuestRam::backing`], which is what lets a snapshot be written without touching pages the
 //! guest never used.
 
-use mayfly_sys::extents::data_extents;
+use mayfly_sys::extents::{data_extents, punch_hole};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::FileExt;
@@ -21,8 +21,7 @@ use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap};
 
 use crate::arch::layout::{ram_ranges, RamRange};
-use crate::memory::diff::ChainLayer;
-use mayfly_snapshot::Extent;
+use crate::memory::chain::ChainLayer;
 
 /// The guest's physical memory as the VMM sees it.
 pub type GuestMemory = GuestMemoryMmap<()>;
@@ -511,284 +510,12 @@ fn copy_range(from: &File, to: &File, offset: u64, len: u64) -> std::io::Result<
 
 pub const PAGE: usize = 4096;
 
-/// What [`GuestRam::write_sparse`] wrote.
-pub struct SparseWritten {
-    pub bytes: u64,
-    /// Offsets of the pages this process had mapped (for a copy-on-write VM: what the guest
-    /// touched since it was restored).
-    pub touched: Vec<u64>,
-}
-
-/// Make `offset..offset + len` of `file` a hole (zeros).
-fn punch_hole(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
-    let off = |v: u64| {
-        libc::off_t::try_from(v).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
-    };
-    // SAFETY: fallocate on a descriptor we own; the result is checked.
-    let rc = unsafe {
-        libc::fallocate(
-            file.as_raw_fd(),
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            off(offset)?,
-            off(len)?,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
-fn is_zero(bytes: &[u8]) -> bool {
-    // SAFETY: reinterpreting initialised bytes as u128 words is always valid.
-    let (head, words, tail) = unsafe { bytes.align_to::<u128>() };
-    head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
-}
-
-/// pagemap: the page is present.
-const PM_PRESENT: u64 = 1 << 63;
-/// pagemap: the page is swapped out.
-const PM_SWAPPED: u64 = 1 << 62;
-/// pagemap: the page is a file page (or shared anonymous memory).
-const PM_FILE: u64 = 1 << 61;
-
-/// The /proc/self/pagemap entry of each page of `addr..addr + len`.
-fn page_flags(addr: *const u8, len: usize) -> std::io::Result<Vec<u64>> {
-    let pagemap = File::open("/proc/self/pagemap")?;
-    let pages = len / PAGE;
-    let mut flags = Vec::with_capacity(pages);
-    let mut buf = vec![0u8; 8 * 4096];
-    let first = addr as u64 / PAGE as u64;
-    let mut done = 0usize;
-    while done < pages {
-        let n = (pages - done).min(buf.len() / 8);
-        pagemap.read_exact_at(&mut buf[..n * 8], (first + done as u64) * 8)?;
-        flags.extend(
-            buf[..n * 8]
-                .chunks_exact(8)
-                .map(|e| u64::from_le_bytes(e.try_into().expect("8 bytes"))),
-        );
-        done += n;
-    }
-    Ok(flags)
-}
-
-/// Which pages of `addr..addr + len` this process has in its mapping: present, or swapped out
-/// (a page the guest wrote and the host swapped is still its own: read through the mapping,
-/// it faults back in; the file behind it holds older contents).
-fn mapped_pages(addr: *const u8, len: usize) -> std::io::Result<Vec<bool>> {
-    Ok(page_flags(addr, len)?
-        .into_iter()
-        .map(|f| f & (PM_PRESENT | PM_SWAPPED) != 0)
-        .collect())
-}
-
-impl GuestRam {
-    /// For copy-on-write RAM: the pages written since it was mapped (by the guest or by this
-    /// VMM), as memory-file extents. A write to a private file mapping makes the page an
-    /// anonymous copy: present and not a file page, or swapped out. The vCPUs must be paused.
-    pub fn written_extents(&self) -> std::io::Result<Vec<Extent>> {
-        let mut extents: Vec<Extent> = Vec::new();
-        for region in self.host_regions() {
-            for (page, flags) in page_flags(region.host_addr, region.len)?
-                .into_iter()
-                .enumerate()
-            {
-                let written =
-                    (flags & PM_PRESENT != 0 && flags & PM_FILE == 0) || flags & PM_SWAPPED != 0;
-                if !written {
-                    continue;
-                }
-                let offset = region.file_offset + (page * PAGE) as u64;
-                match extents.last_mut() {
-                    Some(last) if last.end() == offset => last.len += PAGE as u64,
-                    _ => extents.push(Extent {
-                        offset,
-                        len: PAGE as u64,
-                    }),
-                }
-            }
-        }
-        Ok(extents)
-    }
-
-    /// Write the pages of `extents` (memory-file offsets, sorted) into `out` at their offsets,
-    /// pages of zeros left as holes; `out` is sized for all of RAM. Returns the bytes written.
-    /// The vCPUs must be paused.
-    pub fn write_pages(&self, out: &File, extents: &[Extent]) -> std::io::Result<u64> {
-        out.set_len(self.size())?;
-        let mut written = 0u64;
-        let mut page_buf = vec![0u8; PAGE];
-        for region in self.host_regions() {
-            let region_end = region.file_offset + region.len as u64;
-            let present = mapped_pages(region.host_addr, region.len)?;
-            for extent in extents {
-                let start = extent.offset.max(region.file_offset);
-                let end = extent.end().min(region_end);
-                let mut offset = start;
-                while offset < end {
-                    let page = usize::try_from((offset - region.file_offset) / PAGE as u64)
-                        .expect("inside a mapped region");
-                    let bytes: &[u8] = if present[page] {
-                        // SAFETY: a mapped page inside the region; the vCPUs are paused.
-                        unsafe {
-                            std::slice::from_raw_parts(region.host_addr.add(page * PAGE), PAGE)
-                        }
-                    } else {
-                        crate::memory::diff::read_chain_page(&self.chain, offset, &mut page_buf)?;
-                        &page_buf
-                    };
-                    if !is_zero(bytes) {
-                        out.write_all_at(bytes, offset)?;
-                        written += PAGE as u64;
-                    }
-                    offset += PAGE as u64;
-                }
-            }
-        }
-        Ok(written)
-    }
-}
-
-impl GuestRam {
-    /// Write guest RAM into `out` (from offset 0, at each range's file offset), skipping pages of
-    /// zeros: the file stays sparse there. The vCPUs must be paused.
-    pub fn write_sparse(&self, out: &File) -> std::io::Result<SparseWritten> {
-        let ram = self;
-        out.set_len(ram.size())?;
-        let mut written = SparseWritten {
-            bytes: 0,
-            touched: Vec::new(),
-        };
-        let mut page_buf = vec![0u8; PAGE];
-        for region in ram.host_regions() {
-            let present = mapped_pages(region.host_addr, region.len)?;
-            let extents = data_extents(&ram.backing, region.file_offset, region.len as u64)?;
-            // Pages come in increasing order: walk the extents alongside.
-            let mut extent = 0usize;
-            let mut in_backing = |offset: u64| {
-                while extent < extents.len() && extents[extent].0 + extents[extent].1 <= offset {
-                    extent += 1;
-                }
-                extent < extents.len() && extents[extent].0 <= offset
-            };
-            // Consecutive non-zero mapped pages go out in one write.
-            let mut run: Option<(usize, usize)> = None;
-            let flush = |run: &mut Option<(usize, usize)>, written: &mut SparseWritten| {
-                if let Some((first, count)) = run.take() {
-                    // SAFETY: the run lies inside the region's mapping, and the vCPUs are paused.
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts(region.host_addr.add(first * PAGE), count * PAGE)
-                    };
-                    out.write_all_at(bytes, region.file_offset + (first * PAGE) as u64)?;
-                    written.bytes += bytes.len() as u64;
-                }
-                Ok::<(), std::io::Error>(())
-            };
-            for (page, &mapped) in present.iter().enumerate() {
-                let offset = region.file_offset + (page * PAGE) as u64;
-                if mapped {
-                    if ram.kind == RamKind::CopyOnWrite {
-                        written.touched.push(offset);
-                    }
-                    // SAFETY: a mapped page inside the region; the vCPUs are paused.
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts(region.host_addr.add(page * PAGE), PAGE)
-                    };
-                    if !is_zero(bytes) {
-                        match &mut run {
-                            Some((first, count)) if *first + *count == page => *count += 1,
-                            _ => {
-                                flush(&mut run, &mut written)?;
-                                run = Some((page, 1));
-                            }
-                        }
-                        continue;
-                    }
-                } else if let Some(source) = crate::memory::diff::layer_holding(&ram.chain, offset)
-                    .filter(|layer| layer.extents.is_some())
-                    .map(|layer| &layer.file)
-                    .or_else(|| in_backing(offset).then_some(&ram.backing))
-                {
-                    // Not mapped here: the page is what the layer above the bottom that holds
-                    // it holds (a diff snapshot's chain), else what the backing file holds
-                    // (skipping its holes).
-                    source.read_exact_at(&mut page_buf, offset)?;
-                    if !is_zero(&page_buf) {
-                        flush(&mut run, &mut written)?;
-                        out.write_all_at(&page_buf, offset)?;
-                        written.bytes += PAGE as u64;
-                        continue;
-                    }
-                }
-                flush(&mut run, &mut written)?;
-            }
-            flush(&mut run, &mut written)?;
-        }
-        Ok(written)
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use mayfly_snapshot::Extent;
+
     use super::*;
     use std::os::unix::fs::FileExt;
-
-    #[test]
-    fn zero_detection() {
-        let mut page = vec![0u8; PAGE];
-        assert!(is_zero(&page));
-        page[PAGE - 1] = 1;
-        assert!(!is_zero(&page));
-        assert!(is_zero(&page[1..PAGE - 1]));
-    }
-
-    #[test]
-    fn memory_file_holds_every_non_zero_page_and_nothing_else() {
-        let dir = std::env::temp_dir().join(format!("mayfly-snap-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let ram = GuestRam::new_memfd(4 << 20).unwrap();
-        let region = ram.host_regions()[0];
-        // SAFETY: inside the 4 MiB mapping this test owns.
-        unsafe {
-            *region.host_addr.add(8192) = 0xaa; // page 2: data
-            std::ptr::write_bytes(region.host_addr.add(3 * PAGE), 0, PAGE); // page 3: touched zeros
-        }
-        // A page present only in the backing file (written through the fd, never mapped).
-        ram.backing
-            .write_all_at(&[0xbb; 16], (100 * PAGE) as u64)
-            .unwrap();
-
-        let path = dir.join("memory");
-        let written = ram.write_sparse(&File::create(&path).unwrap()).unwrap();
-        assert_eq!(written.bytes, 2 * PAGE as u64);
-        let file = File::open(&path).unwrap();
-        assert_eq!(file.metadata().unwrap().len(), 4 << 20);
-        let mut byte = [0u8; 1];
-        file.read_exact_at(&mut byte, 8192).unwrap();
-        assert_eq!(byte, [0xaa]);
-        file.read_exact_at(&mut byte, (100 * PAGE) as u64).unwrap();
-        assert_eq!(byte, [0xbb]);
-        let data: u64 = data_extents(&file, 0, 4 << 20)
-            .unwrap()
-            .iter()
-            .map(|e| e.1)
-            .sum();
-        assert!(data < (1 << 20), "the file is sparse: {data} bytes of data");
-
-        // A copy-on-write view of that file reads the same, and records what it touched.
-        let cow = GuestRam::copy_on_write(file, &ram_ranges(4 << 20)).unwrap();
-        let cow_region = cow.host_regions()[0];
-        // SAFETY: inside the mapping.
-        unsafe { *cow_region.host_addr.add(5 * PAGE) = 0xcc };
-        let again = cow
-            .write_sparse(&File::create(dir.join("memory2")).unwrap())
-            .unwrap();
-        assert_eq!(again.bytes, 3 * PAGE as u64);
-        assert!(again.touched.contains(&((5 * PAGE) as u64)));
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
 
     #[test]
     fn extents_and_eager_copy_keep_holes() {
@@ -870,7 +597,7 @@ mod tests {
 
     #[test]
     fn a_chain_of_memory_files_maps_tracks_writes_and_writes_diffs() {
-        use crate::memory::diff::ChainLayer;
+        use crate::memory::chain::ChainLayer;
         let dir = std::env::temp_dir().join(format!("mayfly-chain-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let size = 4u64 << 20;

@@ -60,7 +60,7 @@ const CLONE_TASKS: u64 = 10;
 /// Names in use skipped in one fork before it gives up.
 const MAX_SKIPPED_NAMES: u32 = 10_000;
 /// How long a clone may take to report that it runs.
-pub(crate) const READY_TIMEOUT: Duration = Duration::from_secs(120);
+pub(crate) const READY_TIMEOUT: Duration = mayfly_api::FORK_READY_TIMEOUT;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ForkError {

@@ -27,7 +27,8 @@ use mayfly_snapshot::{SnapshotDir, VmState, MEMORY_FILE, STATE_FILE};
 
 use crate::arch::kvm_state::{self, KvmCaps, StateError};
 use crate::arch::layout::RamRange;
-use crate::controller::Controller;
+use crate::guest::refresh::Refresh;
+use crate::runtime::Vmm;
 use crate::devices::console::{self, Console};
 use crate::devices::manager::{DeviceError, DeviceManager, RestoreTargets, Wiring};
 use crate::event::VmEvent;
@@ -225,7 +226,7 @@ pub struct LoadedSnapshot {
     pub memory_path: String,
     /// For a snapshot directory: the memory files its RAM is made of, bottom first (one, its
     /// own `memory`, for a full snapshot). `None` for a fork's memory base.
-    pub chain: Option<Vec<crate::memory::diff::ChainLayer>>,
+    pub chain: Option<Vec<crate::memory::chain::ChainLayer>>,
 }
 
 /// Read and check a snapshot without touching KVM.
@@ -270,7 +271,7 @@ pub fn load(
         Some(dir) => {
             let top = memory.try_clone().map_err(MemoryError::Memfd)?;
             Some(
-                crate::memory::diff::open_chain(&state, dir, top, layers_within)
+                crate::memory::chain::open_chain(&state, dir, top, layers_within)
                     .map_err(RestoreError::MemoryLayers)?,
             )
         }
@@ -368,7 +369,7 @@ pub fn check_state(state: &VmState, host_mib: u64) -> Result<(), RestoreError> {
 const MAX_SERIAL_INPUT: usize = 1024;
 
 /// Restore the snapshot `config.source`; returns once every vCPU runs (or waits, paused).
-pub fn restore(config: RestoreConfig) -> Result<Controller, RestoreError> {
+pub fn restore(config: RestoreConfig) -> Result<Vmm, RestoreError> {
     let started = std::time::Instant::now();
     // The socket paths, claimed before anything else.
     let claims = Claims::take(&config.instance)?;
@@ -661,7 +662,7 @@ pub fn start(
     config: Instance,
     claims: Claims,
     started: std::time::Instant,
-) -> Result<Controller, RestoreError> {
+) -> Result<Vmm, RestoreError> {
     let Prepared {
         state,
         kvm,
@@ -788,17 +789,19 @@ pub fn start(
             memory_protection,
         },
     };
-    let mut controller = Controller::new(machine, events, event_sender.clone());
-    controller.vsock_claim = claims.vsock;
-    if let Some(claim) = claims.api {
-        controller.start_api(claim)?;
-    }
+    let mut refresh = Refresh::default();
+    let vsock = machine.devices.vsock().and_then(|(path, _)| path);
+    let api = claims
+        .api
+        .map(|claim| crate::runtime::serve_api(claim, event_sender.clone(), vsock, &refresh.status))
+        .transpose()?;
     trace::event("api_started");
-    let m = &mut controller.machine;
+    let mut machine = machine;
+    let m = &mut machine;
     let context = VcpuContext {
         pio: m.devices.pio.clone(),
         mmio: m.devices.mmio.clone(),
-        events: event_sender,
+        events: event_sender.clone(),
         trace: None,
     };
     // A jailed VMM is shut into its root now, before any guest code runs.
@@ -831,6 +834,13 @@ pub fn start(
         Some(_) => mayfly_agent_protocol::RefreshEvent::Fork,
         None => mayfly_agent_protocol::RefreshEvent::Restore,
     };
-    controller.refresh_guest(event, crate::guest::agent::DEFAULT_WAIT);
-    Ok(controller)
+    refresh.start(&machine, event, crate::guest::agent::DEFAULT_WAIT);
+    Ok(Vmm {
+        machine,
+        events,
+        event_sender,
+        api,
+        vsock_claim: claims.vsock,
+        refresh,
+    })
 }

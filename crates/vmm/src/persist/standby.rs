@@ -39,7 +39,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::controller::Controller;
+use crate::runtime::Vmm;
 use crate::persist::restore::{
     self, Claims, Instance, MemoryMode, ReadyKvm, RestoreError, SnapshotSource,
 };
@@ -134,7 +134,7 @@ struct RestoreBody {
 /// `memory` mode; return its VM, running (or paused, as `instance` asks), the restore request
 /// answered. Errors: the control socket or KVM cannot be had, or a restore failed once its VM
 /// had begun to be made.
-pub fn stand_by(mut instance: Instance, memory: MemoryMode) -> Result<Controller, RestoreError> {
+pub fn stand_by(mut instance: Instance, memory: MemoryMode) -> Result<Vmm, RestoreError> {
     let mut claims = Claims::take(&instance)?;
     // Set once the paths are this process's (claimed), so that a stop signal removes them.
     let standing = StandingBy::on(&instance);
@@ -182,10 +182,10 @@ pub fn stand_by(mut instance: Instance, memory: MemoryMode) -> Result<Controller
         instance.origin = format!("restore of {}", snapshot.display());
         instance.devices.snapshot_dir = Some(snapshot);
         return match restore::start(prepared, instance, claims, started) {
-            Ok(controller) => {
+            Ok(vmm) => {
                 standing.keep();
-                request.answer(200, &controller.describe());
-                Ok(controller)
+                request.answer(200, &vmm.describe());
+                Ok(vmm)
             }
             Err(err) => {
                 request.answer(500, &json!({ "error": err.to_string() }));

@@ -16,7 +16,24 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 use crate::disk::{Disk, IoVecs};
 use crate::virtio::GuestMemory;
 
-use super::*;
+use crate::virtio::block::spec::*;
+
+/// What the device did, for tests and diagnostics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockCounters {
+    pub reads: u64,
+    pub writes: u64,
+    pub flushes: u64,
+    pub zeroes: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    /// Requests answered with an error status.
+    pub errors: u64,
+    /// Chains given back with nothing written (no usable status byte).
+    pub unanswerable: u64,
+    /// Interrupts raised (one per batch at most).
+    pub interrupts: u64,
+}
 
 /// One descriptor, as read once from the guest's table.
 #[derive(Clone, Copy, Debug)]

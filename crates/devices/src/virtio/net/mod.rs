@@ -38,6 +38,8 @@
 //! a link flap instead: the link reads down once (Linux drops carrier), and that read brings it
 //! back up with a second config-change interrupt.
 
+mod error;
+mod spec;
 mod tap;
 #[cfg(test)]
 mod tests;
@@ -57,6 +59,8 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{complete, drain, ActivateError, GuestMemory, Interrupt, VirtioDevice};
+pub use error::NetError;
+pub use spec::{MacAddr, VNET_HDR_LEN};
 use tap::Backend;
 
 /// `VIRTIO_ID_NET`.
@@ -85,8 +89,6 @@ const _: () = assert!(
 const CTRL_QUEUE_SIZE: u16 = 64;
 /// Control commands handled per event at most.
 const CTRL_BUDGET: usize = 64;
-/// `virtio_net_hdr_v1`: flags, gso_type, hdr_len, gso_size, csum_start, csum_offset, num_buffers.
-pub const VNET_HDR_LEN: usize = 12;
 /// The largest frame either way: the largest IP packet (64 KiB, as TSO makes them) behind an
 /// Ethernet header with a VLAN tag.
 pub const MAX_FRAME_LEN: usize = 65535 + 18;
@@ -116,8 +118,6 @@ pub const NET_FEATURES: u64 = super::VIRTIO_F_VERSION_1
     | bit(VIRTIO_NET_F_CTRL_VQ)
     | bit(VIRTIO_NET_F_GUEST_ANNOUNCE);
 
-/// A MAC address.
-pub type MacAddr = [u8; 6];
 
 /// The device's own state in a snapshot (its queues are the transport's).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -130,25 +130,6 @@ pub struct NetState {
     /// `allow=...`): not the device's own business, but part of what the NIC is, so a restore
     /// and every clone keep it. The VMM fills it in ([`Net::save`] leaves it empty).
     pub policy: String,
-}
-
-/// Why a net device could not be created.
-#[derive(Debug, thiserror::Error)]
-pub enum NetError {
-    #[error("the descriptor given as the VM's tap is not a tap (TUNGETIFF failed: {0}); open /dev/net/tun and attach it with TUNSETIFF first")]
-    NotATap(std::io::Error),
-    #[error(
-        "the tap was opened with flags {0:#x}; open it with IFF_TAP | IFF_NO_PI | IFF_VNET_HDR"
-    )]
-    TapFlags(u32),
-    #[error("cannot set the tap up (virtio-net header size, non-blocking mode): {0}")]
-    TapSetup(std::io::Error),
-    #[error("the backend socket must be SOCK_SEQPACKET or SOCK_DGRAM: one frame per message")]
-    NotADatagramSocket,
-    #[error("{0:02x?} is not a usable MAC: it must be unicast (lowest bit of the first byte clear) and not all zeros")]
-    BadMac(MacAddr),
-    #[error("cannot create the net device's event descriptors: {0}")]
-    EventFd(std::io::Error),
 }
 
 /// What the device did, for tests and diagnostics.

@@ -6,7 +6,8 @@
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
-use super::{NetError, VNET_HDR_LEN};
+use crate::virtio::net::error::NetError;
+use crate::virtio::net::spec::VNET_HDR_LEN;
 
 /// `struct ifreq` as TUNGETIFF fills it: the name, then the flags (the rest is a union).
 #[repr(C)]

@@ -1,0 +1,44 @@
+//! What can go wrong making or changing a VM's network.
+
+use ipnet::Ipv4Net;
+
+use crate::policy::PolicyError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetworkError {
+    #[error("'{tool}' is not installed: apt-get install {package}")]
+    ToolMissing {
+        tool: &'static str,
+        package: &'static str,
+    },
+    #[error("`{command}` failed: {why}")]
+    Command { command: String, why: String },
+    #[error(
+        "{what}: {source} (mayfly's networking needs root, or CAP_NET_ADMIN and CAP_SYS_ADMIN)"
+    )]
+    System {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("no free network slot: all {0} slots of the pool are in use; use a larger pool")]
+    PoolFull(u32),
+    #[error("the pool {0} is not usable: give an IPv4 network of /30 or larger")]
+    BadPool(Ipv4Net),
+    #[error("link prefix {0:?} is too long: it and a slot number must fit 15 characters")]
+    BadPrefix(String),
+    #[error("policy none means no NIC: do not create a network for this VM")]
+    NoNetwork,
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    #[error("cannot update the VM's nftables sets: {0}")]
+    Nft(std::io::Error),
+    #[error("cannot expose guest port {port}: {source}")]
+    Expose { port: u16, source: std::io::Error },
+}
+
+pub(crate) type Result<T> = std::result::Result<T, NetworkError>;
+
+pub(crate) fn sys(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> NetworkError {
+    let what = what.into();
+    move |source| NetworkError::System { what, source }
+}

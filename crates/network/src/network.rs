@@ -1,0 +1,732 @@
+//! The host side of VM networking ([`Network`]: slots, the pool, the uplink) and one VM's
+//! network ([`VmNetwork`]: its namespace, tap, veth and egress policy).
+
+use std::fs::File;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use ipnet::Ipv4Net;
+use serde::{Deserialize, Serialize};
+
+use crate::addr::{MacAddr, GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_PREFIX, NS_TAP, NS_UPLINK};
+use crate::error::{sys, NetworkError, Result};
+use crate::expose::{self, ExposeOn, HostEndpoint};
+use crate::netns::{self, check_tools};
+use crate::nft;
+use crate::policy::{self, Policy};
+
+/// Which namespace the VMs' veths connect to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Uplink {
+    /// The caller's namespace (the host).
+    Current,
+    /// The namespace at this path (`/run/netns/NAME`, `/proc/PID/ns/net`, `/proc/PID/fd/N`).
+    Path(PathBuf),
+}
+
+/// How VM networks are laid out on this host.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkConfig {
+    /// Slot locks, pool namespaces. Default `/run/mayfly/net`.
+    pub state_dir: PathBuf,
+    /// Per-VM outside addresses, in /30s. Default 10.200.0.0/16.
+    pub pool: Ipv4Net,
+    pub uplink: Uplink,
+    /// The resolver the guest is told to use; an allowlist lets DNS (TCP/UDP 53) go to it
+    /// and nowhere else. `None`: no DNS.
+    pub dns: Option<Ipv4Addr>,
+    /// Host-side link names are this prefix and the slot number (at most 15 characters).
+    pub link_prefix: String,
+    /// Networks no policy reaches, besides the pool itself (e.g. the host's own
+    /// addresses, a metadata service).
+    pub never: Vec<Ipv4Net>,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        Self {
+            state_dir: PathBuf::from("/run/mayfly/net"),
+            pool: Ipv4Net::new(Ipv4Addr::new(10, 200, 0, 0), 16).expect("a valid prefix"),
+            uplink: Uplink::Current,
+            dns: None,
+            link_prefix: "mfv".to_string(),
+            never: Vec::new(),
+        }
+    }
+}
+
+/// What the guest must be configured with (kernel `ip=` argument, or the agent).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestConfig {
+    pub ip: Ipv4Addr,
+    pub prefix: u8,
+    pub gateway: Ipv4Addr,
+    pub dns: Option<Ipv4Addr>,
+    /// The MAC the guest's NIC has (the virtio-net config space MAC).
+    pub mac: MacAddr,
+}
+
+impl GuestConfig {
+    /// The kernel command line's `ip=` argument for this configuration (the guest's first
+    /// NIC, no autoconfiguration), e.g. `ip=172.16.0.2::172.16.0.1:255.255.255.252::eth0:off`
+    /// followed by the resolver, if any.
+    pub fn kernel_ip_arg(&self, device: &str) -> String {
+        let mask = Ipv4Net::new(self.ip, self.prefix)
+            .map(|n| n.netmask())
+            .unwrap_or(Ipv4Addr::BROADCAST);
+        let mut arg = format!("ip={}::{}:{mask}::{device}:off", self.ip, self.gateway);
+        if let Some(dns) = self.dns {
+            arg.push_str(&format!(":{dns}"));
+        }
+        arg
+    }
+}
+
+/// Denied and allowed packets, from the VM's nftables counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    /// Packets the policy let out.
+    pub allowed: u64,
+    /// Packets the policy refused (each rejected with a TCP reset or ICMP).
+    pub denied: u64,
+    /// Frames from the guest with a MAC or source address not its own (dropped).
+    pub spoofed: u64,
+}
+
+/// What [`Network::sweep`] removed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Slots whose leftovers were removed.
+    pub cleaned: Vec<u32>,
+    /// Pool slots kept (built, waiting to be claimed).
+    pub pooled: usize,
+}
+
+/// A slot's addresses and names.
+#[derive(Clone, Debug)]
+struct Slot {
+    index: u32,
+    /// The host side of the veth.
+    host_ip: Ipv4Addr,
+    /// The namespace side: the VM's address outside.
+    outside_ip: Ipv4Addr,
+    link: String,
+}
+
+/// The host side of VM networking: allocates slots and builds VM networks.
+pub struct Network {
+    config: NetworkConfig,
+    uplink: File,
+    /// For interface look-ups in the uplink namespace.
+    uplink_sock: File,
+    slots: u32,
+    hint: Mutex<u32>,
+}
+
+impl Network {
+    /// Check the tools and the configuration, and sweep what dead VMMs left.
+    pub fn new(config: NetworkConfig) -> Result<Self> {
+        check_tools()?;
+        if config.pool.prefix_len() > 30 {
+            return Err(NetworkError::BadPool(config.pool));
+        }
+        let slots = 1u32 << (30 - config.pool.prefix_len()).min(24);
+        if config.link_prefix.len() + (slots - 1).to_string().len() > 15
+            || config.link_prefix.is_empty()
+        {
+            return Err(NetworkError::BadPrefix(config.link_prefix.clone()));
+        }
+        for dir in [config.state_dir.clone(), config.state_dir.join("ns")] {
+            std::fs::create_dir_all(&dir)
+                .map_err(sys(format!("cannot create {}", dir.display())))?;
+        }
+        let uplink = match &config.uplink {
+            Uplink::Current => netns::current(),
+            Uplink::Path(p) => File::open(p),
+        }
+        .map_err(sys("cannot open the uplink namespace"))?;
+        let uplink_sock = netns::run_in(&uplink, netns::ioctl_socket)
+            .and_then(|s| s)
+            .map_err(sys("cannot open a socket in the uplink namespace"))?;
+        let network = Self {
+            config,
+            uplink,
+            uplink_sock,
+            slots,
+            hint: Mutex::new(0),
+        };
+        network.sweep()?;
+        Ok(network)
+    }
+
+    pub fn config(&self) -> &NetworkConfig {
+        &self.config
+    }
+
+    /// The uplink namespace.
+    pub fn uplink(&self) -> &File {
+        &self.uplink
+    }
+
+    fn slot(&self, index: u32) -> Slot {
+        let base = u32::from(self.config.pool.network()) + index * 4;
+        Slot {
+            index,
+            host_ip: Ipv4Addr::from(base + 1),
+            outside_ip: Ipv4Addr::from(base + 2),
+            link: format!("{}{index}", self.config.link_prefix),
+        }
+    }
+
+    fn lock_path(&self, index: u32) -> PathBuf {
+        self.config.state_dir.join(format!("slot-{index}.lock"))
+    }
+
+    fn ready_path(&self, index: u32) -> PathBuf {
+        self.config.state_dir.join(format!("slot-{index}.ready"))
+    }
+
+    fn mount_path(&self, index: u32) -> PathBuf {
+        self.config
+            .state_dir
+            .join("ns")
+            .join(format!("slot-{index}"))
+    }
+
+    /// A network for a VM with `policy`: from the pool if a slot is ready there, built now
+    /// otherwise. `mac` is the guest's MAC: the saved one for a restored VM (its guest does
+    /// not read the MAC again), `None` for a fresh locally administered one.
+    pub fn create(&self, policy: &Policy, mac: Option<MacAddr>) -> Result<VmNetwork> {
+        if *policy == Policy::None {
+            return Err(NetworkError::NoNetwork);
+        }
+        // Resolve first: a policy that cannot be applied costs no slot.
+        let resolved = policy.resolve(self.config.dns)?;
+        let mac = mac.unwrap_or_else(fresh_mac);
+        if let Some((slot, lock, ns)) = self.claim_pooled()? {
+            return self.finish(slot, lock, ns, policy, &resolved, mac);
+        }
+        let (slot, lock) = self.take_free_slot()?;
+        let ns = self.build(&slot)?;
+        self.finish(slot, lock, ns, policy, &resolved, mac)
+    }
+
+    /// Take the lock of a slot nobody uses (and that is not in the pool), its leftovers
+    /// removed.
+    fn take_free_slot(&self) -> Result<(Slot, netns::SlotLock)> {
+        let mut hint = self.hint.lock().unwrap_or_else(|p| p.into_inner());
+        for step in 0..self.slots {
+            let index = (*hint + step) % self.slots;
+            let Some(mut lock) = netns::SlotLock::try_take(&self.lock_path(index))
+                .map_err(sys("cannot open a slot lock"))?
+            else {
+                continue;
+            };
+            if self.ready_path(index).exists() {
+                continue;
+            }
+            self.clean(index)?;
+            lock.note(&format!(
+                "mayfly-{index} pid {} building\n",
+                std::process::id()
+            ));
+            *hint = (index + 1) % self.slots;
+            return Ok((self.slot(index), lock));
+        }
+        Err(NetworkError::PoolFull(self.slots))
+    }
+
+    /// Remove what a dead holder of slot `index` may have left (the caller holds its lock).
+    fn clean(&self, index: u32) -> Result<bool> {
+        let slot = self.slot(index);
+        let mut cleaned = false;
+        if netns::link_index(&self.uplink_sock, &slot.link).is_some() {
+            // Deleting one end of a veth deletes both.
+            match netns::run("ip", &["link", "del", &slot.link], None, Some(&self.uplink)) {
+                Ok(_) => {}
+                // Gone meanwhile (the kernel reaped the namespace).
+                Err(_) if netns::link_index(&self.uplink_sock, &slot.link).is_none() => {}
+                Err(e) => return Err(e),
+            }
+            cleaned = true;
+        }
+        let mount = self.mount_path(index);
+        if mount.exists() {
+            netns::unbind(&mount).map_err(sys(format!("cannot unmount {}", mount.display())))?;
+            cleaned = true;
+        }
+        let _ = std::fs::remove_file(self.ready_path(index));
+        Ok(cleaned)
+    }
+
+    /// Build slot `slot`: namespace, tap, veth, addresses, routes, ruleset. The namespace is
+    /// held by the returned descriptor only.
+    fn build(&self, slot: &Slot) -> Result<File> {
+        let ns = netns::create().map_err(sys("cannot create a network namespace"))?;
+        netns::run_in(&ns, || -> std::io::Result<()> {
+            let tap = netns::open_tap(NS_TAP)?;
+            netns::persist_tap(&tap, true)?;
+            netns::sysctl("/proc/sys/net/ipv4/ip_forward", "1")?;
+            for conf in ["all", "default"] {
+                let path = format!("/proc/sys/net/ipv6/conf/{conf}/disable_ipv6");
+                if Path::new(&path).exists() {
+                    netns::sysctl(&path, "1")?;
+                }
+            }
+            Ok(())
+        })
+        .and_then(|r| r)
+        .map_err(sys("cannot set up the VM's namespace (tap, sysctls)"))?;
+        let ns_path = format!("/proc/{}/fd/{}", std::process::id(), ns.as_raw_fd());
+        let host = format!(
+            "link add {link} type veth peer name {peer} netns {ns_path}\n\
+             addr add {ip}/30 dev {link}\n\
+             link set {link} up\n",
+            link = slot.link,
+            peer = NS_UPLINK,
+            ip = slot.host_ip,
+        );
+        netns::run("ip", &["-batch", "-"], Some(&host), Some(&self.uplink))?;
+        let mac = GATEWAY_MAC
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<Vec<_>>()
+            .join(":");
+        let inside = format!(
+            "link set lo up\n\
+             link set {tap} address {mac}\n\
+             addr add {gw}/{prefix} dev {tap}\n\
+             link set {tap} up\n\
+             addr add {outside}/30 dev {uplink}\n\
+             link set {uplink} up\n\
+             route add default via {host}\n",
+            tap = NS_TAP,
+            gw = GATEWAY_IP,
+            prefix = GUEST_PREFIX,
+            outside = slot.outside_ip,
+            uplink = NS_UPLINK,
+            host = slot.host_ip,
+        );
+        netns::run("ip", &["-batch", "-"], Some(&inside), Some(&ns))?;
+        let mut never = vec![self.config.pool.trunc()];
+        never.extend(self.config.never.iter().map(Ipv4Net::trunc));
+        netns::run(
+            "nft",
+            &["-f", "-"],
+            Some(&nft::ruleset(slot.outside_ip, &never)),
+            Some(&ns),
+        )?;
+        Ok(ns)
+    }
+
+    /// Attach to the slot's tap, point the sets at the guest's MAC and the policy.
+    fn finish(
+        &self,
+        slot: Slot,
+        mut lock: netns::SlotLock,
+        ns: File,
+        policy: &Policy,
+        resolved: &policy::Resolved,
+        mac: MacAddr,
+    ) -> Result<VmNetwork> {
+        let (tap, nft) = netns::run_in(&ns, || -> Result<(File, nft::NftSocket)> {
+            let tap = netns::open_tap(NS_TAP).map_err(sys("cannot open the VM's tap"))?;
+            let mut nft = nft::NftSocket::open().map_err(NetworkError::Nft)?;
+            let [nets, svcs] = nft::policy_sets(resolved);
+            nft.replace(&[nft::mac_set(mac), nets, svcs])
+                .map_err(NetworkError::Nft)?;
+            // Until the kernel has seen the tap's carrier come on, what the namespace sends
+            // the guest is dropped (a restored guest's first ARP would wait for its retry).
+            netns::wait_running(NS_TAP, std::time::Duration::from_millis(200))
+                .map_err(sys("cannot read the tap's state"))?;
+            Ok((tap, nft))
+        })
+        .map_err(sys("cannot enter the VM's namespace"))??;
+        let inode = netns::inode(&ns).unwrap_or(0);
+        lock.note(&format!(
+            "mayfly-{} pid {} netns net:[{inode}] (nsenter --net=/proc/{}/fd/{})\n",
+            slot.index,
+            std::process::id(),
+            std::process::id(),
+            ns.as_raw_fd()
+        ));
+        Ok(VmNetwork {
+            guest: GuestConfig {
+                ip: GUEST_IP,
+                prefix: GUEST_PREFIX,
+                gateway: GATEWAY_IP,
+                dns: self.config.dns,
+                mac,
+            },
+            slot,
+            _lock: lock,
+            tap: Some(tap.into()),
+            nft: Mutex::new(nft),
+            uplink: self
+                .uplink
+                .try_clone()
+                .map_err(sys("cannot keep the uplink namespace"))?,
+            dns: self.config.dns,
+            policy: policy.clone(),
+            exposed: Vec::new(),
+            ns,
+            destroyed: false,
+        })
+    }
+
+    /// Build `count` slots ahead of time, into the pool (they stay there, bind-mounted under
+    /// `<state_dir>/ns/`, until a create claims them or [`Network::drain_pool`] removes them).
+    pub fn prewarm(&self, count: usize) -> Result<usize> {
+        for _ in 0..count {
+            let (slot, mut lock) = self.take_free_slot()?;
+            let ns = self.build(&slot)?;
+            let mount = self.mount_path(slot.index);
+            netns::bind(&ns, &mount)
+                .map_err(sys(format!("cannot bind-mount {}", mount.display())))?;
+            std::fs::write(self.ready_path(slot.index), b"")
+                .map_err(sys("cannot mark a pool slot ready"))?;
+            lock.note(&format!("mayfly-{} pooled\n", slot.index));
+        }
+        Ok(count)
+    }
+
+    /// Slots ready in the pool.
+    pub fn pooled(&self) -> usize {
+        self.ready_slots().len()
+    }
+
+    fn ready_slots(&self) -> Vec<u32> {
+        let Ok(dir) = std::fs::read_dir(&self.config.state_dir) else {
+            return Vec::new();
+        };
+        let mut slots: Vec<u32> = dir
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name();
+                let name = name.to_str()?;
+                name.strip_prefix("slot-")?
+                    .strip_suffix(".ready")?
+                    .parse()
+                    .ok()
+            })
+            .collect();
+        slots.sort_unstable();
+        slots
+    }
+
+    /// Take a slot from the pool: its namespace is unmounted, so from now on it lives only
+    /// as long as the caller holds it.
+    fn claim_pooled(&self) -> Result<Option<(Slot, netns::SlotLock, File)>> {
+        for index in self.ready_slots() {
+            let Some(lock) = netns::SlotLock::try_take(&self.lock_path(index))
+                .map_err(sys("cannot open a slot lock"))?
+            else {
+                continue;
+            };
+            if !self.ready_path(index).exists() {
+                continue;
+            }
+            let mount = self.mount_path(index);
+            let ns = match File::open(&mount) {
+                Ok(ns) => ns,
+                Err(_) => {
+                    self.clean(index)?;
+                    continue;
+                }
+            };
+            let _ = std::fs::remove_file(self.ready_path(index));
+            netns::unbind(&mount).map_err(sys(format!("cannot unmount {}", mount.display())))?;
+            return Ok(Some((self.slot(index), lock, ns)));
+        }
+        Ok(None)
+    }
+
+    /// Remove the pool's slots.
+    pub fn drain_pool(&self) -> Result<usize> {
+        let mut drained = 0;
+        for index in self.ready_slots() {
+            if let Some(_lock) = netns::SlotLock::try_take(&self.lock_path(index))
+                .map_err(sys("cannot open a slot lock"))?
+            {
+                self.clean(index)?;
+                drained += 1;
+            }
+        }
+        Ok(drained)
+    }
+
+    /// Remove whatever dead VMMs left in slots whose lock nobody holds (pool slots are kept).
+    pub fn sweep(&self) -> Result<SweepReport> {
+        let mut report = SweepReport::default();
+        let Ok(dir) = std::fs::read_dir(&self.config.state_dir) else {
+            return Ok(report);
+        };
+        let mut indices: Vec<u32> = dir
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name();
+                let name = name.to_str()?;
+                name.strip_prefix("slot-")?
+                    .strip_suffix(".lock")?
+                    .parse()
+                    .ok()
+            })
+            .filter(|&i| i < self.slots)
+            .collect();
+        indices.sort_unstable();
+        for index in indices {
+            let Some(_lock) = netns::SlotLock::try_take(&self.lock_path(index))
+                .map_err(sys("cannot open a slot lock"))?
+            else {
+                continue;
+            };
+            if self.ready_path(index).exists() && self.mount_path(index).exists() {
+                report.pooled += 1;
+                continue;
+            }
+            if self.clean(index)? {
+                report.cleaned.push(index);
+            }
+        }
+        Ok(report)
+    }
+}
+
+/// A fresh locally administered unicast MAC (02:xx:...; random).
+pub fn fresh_mac() -> MacAddr {
+    let mut mac = [0u8; 6];
+    // SAFETY: getrandom writes at most 6 bytes into `mac`.
+    let n = unsafe { libc::getrandom(mac.as_mut_ptr().cast(), mac.len(), 0) };
+    if n != 6 {
+        // Never in practice; fall back on time and pid, still unique enough per host.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            // The low 64 bits of the nanoseconds are the ones that change.
+            .map(|d| u64::try_from(d.as_nanos() & u128::from(u64::MAX)).unwrap_or(0))
+            .unwrap_or(0)
+            ^ u64::from(std::process::id()) << 32;
+        mac.copy_from_slice(&t.to_le_bytes()[..6]);
+    }
+    mac[0] = (mac[0] & 0xfc) | 0x02;
+    if mac == GATEWAY_MAC {
+        mac[5] ^= 0x80;
+    }
+    mac
+}
+
+/// One VM's network: its namespace, tap, veth, policy. Removed by [`VmNetwork::destroy`] or
+/// on drop, and by the kernel if the process dies.
+pub struct VmNetwork {
+    slot: Slot,
+    _lock: netns::SlotLock,
+    ns: File,
+    tap: Option<OwnedFd>,
+    nft: Mutex<nft::NftSocket>,
+    uplink: File,
+    guest: GuestConfig,
+    dns: Option<Ipv4Addr>,
+    policy: Policy,
+    exposed: Vec<expose::Forwarder>,
+    destroyed: bool,
+}
+
+impl VmNetwork {
+    /// The tap, opened inside the namespace with IFF_TAP | IFF_NO_PI | IFF_VNET_HDR: hand it
+    /// to the virtio-net device (`mayfly_devices::virtio::net::Net::new`). Once taken, it is
+    /// the caller's; the namespace stays as long as this `VmNetwork` does.
+    pub fn take_tap(&mut self) -> Option<OwnedFd> {
+        self.tap.take()
+    }
+
+    pub fn tap(&self) -> Option<BorrowedFd<'_>> {
+        self.tap.as_ref().map(|t| t.as_fd())
+    }
+
+    pub fn guest(&self) -> &GuestConfig {
+        &self.guest
+    }
+
+    pub fn slot(&self) -> u32 {
+        self.slot.index
+    }
+
+    /// The namespace's name in mayfly's terms (it is not mounted anywhere: see the lock file
+    /// `<state_dir>/slot-<n>.lock` for how to enter it).
+    pub fn name(&self) -> String {
+        format!("mayfly-{}", self.slot.index)
+    }
+
+    /// The VM's network namespace.
+    pub fn namespace(&self) -> &File {
+        &self.ns
+    }
+
+    /// The address the VM's traffic has outside (after SNAT).
+    pub fn outside_ip(&self) -> Ipv4Addr {
+        self.slot.outside_ip
+    }
+
+    /// The host side of the veth: its name and address.
+    pub fn host_link(&self) -> (&str, Ipv4Addr) {
+        (&self.slot.link, self.slot.host_ip)
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// Change the policy now. Every packet is checked against it, so a connection the new
+    /// policy forbids is cut at its next packet (the guest gets a TCP reset or an ICMP
+    /// error). Names are resolved now. [`Policy::None`] denies everything (the NIC stays).
+    pub fn set_policy(&mut self, policy: Policy) -> Result<()> {
+        let resolved = policy.resolve(self.dns)?;
+        let [nets, svcs] = nft::policy_sets(&resolved);
+        self.nft
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .replace(&[nets, svcs])
+            .map_err(NetworkError::Nft)?;
+        self.policy = policy;
+        Ok(())
+    }
+
+    /// The nftables counters of the VM's namespace.
+    pub fn counters(&self) -> Result<Counters> {
+        let text = netns::run("nft", &["list", "counters"], None, Some(&self.ns))?;
+        let mut c = Counters::default();
+        for (table, name, packets) in nft::parse_counters(&text) {
+            match (table.as_str(), name.as_str()) {
+                ("mayfly", "allowed") => c.allowed += packets,
+                ("mayfly", "denied") => c.denied += packets,
+                (_, "spoofed") => c.spoofed += packets,
+                _ => {}
+            }
+        }
+        Ok(c)
+    }
+
+    /// Make guest port `guest_port` reachable on the host at `on`: a forwarding thread in
+    /// the VM's namespace connects each client to the guest (see the `expose` module docs).
+    pub fn expose(&mut self, guest_port: u16, on: ExposeOn) -> Result<HostEndpoint> {
+        let err = |source| NetworkError::Expose {
+            port: guest_port,
+            source,
+        };
+        let ns = self.ns.try_clone().map_err(err)?;
+        let forwarder = expose::Forwarder::start(ns, SocketAddrV4::new(GUEST_IP, guest_port), &on)
+            .map_err(err)?;
+        let endpoint = forwarder.endpoint.clone();
+        self.exposed.push(forwarder);
+        Ok(endpoint)
+    }
+
+    /// Stop exposing `guest_port`.
+    pub fn unexpose(&mut self, guest_port: u16) {
+        self.exposed.retain(|f| f.guest_port != guest_port);
+    }
+
+    /// Remove everything: forwarders, tap, veth (with its host-side address), namespace.
+    pub fn destroy(mut self) -> Result<()> {
+        self.teardown()
+    }
+
+    fn teardown(&mut self) -> Result<()> {
+        if self.destroyed {
+            return Ok(());
+        }
+        self.destroyed = true;
+        for mut f in self.exposed.drain(..) {
+            f.stop();
+        }
+        self.tap = None;
+        // The namespace goes when its last holder does; deleting the veth now makes the host
+        // side clean at once rather than when the kernel gets round to the namespace.
+        let result = netns::run(
+            "ip",
+            &["link", "del", &self.slot.link],
+            None,
+            Some(&self.uplink),
+        );
+        match result {
+            Ok(_) => Ok(()),
+            Err(_) if link_gone(&self.uplink, &self.slot.link) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+fn link_gone(uplink: &File, link: &str) -> bool {
+    netns::run_in(uplink, || {
+        netns::ioctl_socket()
+            .map(|s| netns::link_index(&s, link).is_none())
+            .unwrap_or(false)
+    })
+    .unwrap_or(false)
+}
+
+impl Drop for VmNetwork {
+    fn drop(&mut self) {
+        let _ = self.teardown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn macs_are_unicast_locally_administered_and_fresh() {
+        let a = fresh_mac();
+        let b = fresh_mac();
+        assert_eq!(a[0] & 0x03, 0x02);
+        assert_ne!(a, b);
+        assert_ne!(a, GATEWAY_MAC);
+    }
+
+    #[test]
+    fn the_guest_is_told_its_address_on_the_kernel_command_line() {
+        let g = GuestConfig {
+            ip: GUEST_IP,
+            prefix: GUEST_PREFIX,
+            gateway: GATEWAY_IP,
+            dns: Some(Ipv4Addr::new(192, 0, 2, 53)),
+            mac: GATEWAY_MAC,
+        };
+        assert_eq!(
+            g.kernel_ip_arg("eth0"),
+            "ip=172.16.0.2::172.16.0.1:255.255.255.252::eth0:off:192.0.2.53"
+        );
+    }
+
+    #[test]
+    fn slots_carve_the_pool_into_30s() {
+        let dir = std::env::temp_dir().join(format!("mayfly-net-unit-{}", std::process::id()));
+        let cfg = NetworkConfig {
+            state_dir: dir.clone(),
+            ..NetworkConfig::default()
+        };
+        // Only the arithmetic: no namespace is touched.
+        let network = Network {
+            slots: 1 << 14,
+            uplink: File::open("/dev/null").unwrap(),
+            uplink_sock: File::open("/dev/null").unwrap(),
+            hint: Mutex::new(0),
+            config: cfg,
+        };
+        let s = network.slot(0);
+        assert_eq!(
+            (s.host_ip, s.outside_ip, s.link.as_str()),
+            (
+                Ipv4Addr::new(10, 200, 0, 1),
+                Ipv4Addr::new(10, 200, 0, 2),
+                "mfv0"
+            )
+        );
+        let s = network.slot(16383);
+        assert_eq!(s.outside_ip, Ipv4Addr::new(10, 200, 255, 254));
+        assert!(s.link.len() <= 15);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

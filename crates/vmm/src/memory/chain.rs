@@ -1,0 +1,106 @@
+//! Guest RAM as a chain of memory files: a full one at the bottom, and the diffs above it,
+//! each holding only the pages written since the snapshot below. A copy-on-write restore maps
+//! them in order (see [`crate::memory::ram::GuestRam::copy_on_write_chain`]); a page is read
+//! from the newest layer that holds it.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use mayfly_snapshot::{Extent, VmState, MEMORY_LAYERS_DIR};
+
+/// One memory file of the chain a copy-on-write VM's RAM maps.
+#[derive(Debug)]
+pub struct ChainLayer {
+    pub file: File,
+    /// Its full path as this VMM opened it (how a diff that cannot link it names it).
+    pub path: PathBuf,
+    /// The ID in its trailer.
+    pub snapshot_id: [u8; 16],
+    /// `None` for the bottom layer (all of RAM); the ranges it holds otherwise.
+    pub extents: Option<Vec<Extent>>,
+}
+
+/// Open the chain a snapshot's state names (for a diff; a full snapshot is a chain of one):
+/// each layer's trailer checked against its ID. `top` is the snapshot's own memory file.
+/// Layers named by full path must lie in `within`, when given.
+pub fn open_chain(
+    state: &VmState,
+    snapshot_dir: &Path,
+    top: File,
+    within: Option<&Path>,
+) -> Result<Vec<ChainLayer>, String> {
+    let snapshot_dir = std::path::absolute(snapshot_dir).map_err(|e| e.to_string())?;
+    let mut chain = Vec::with_capacity(state.memory_layers.len() + 1);
+    for layer in &state.memory_layers {
+        let path = if layer.path.is_relative() {
+            let name = mayfly_snapshot::layer_name(&layer.path).ok_or_else(|| {
+                format!("the memory layer {:?} is outside its directory", layer.path)
+            })?;
+            snapshot_dir.join(MEMORY_LAYERS_DIR).join(name)
+        } else {
+            let real = std::fs::canonicalize(&layer.path).map_err(|e| {
+                format!(
+                    "its memory layer {} cannot be opened ({e}): a diff snapshot needs the \
+                     snapshot it was taken over",
+                    layer.path.display()
+                )
+            })?;
+            if let Some(within) = within {
+                let within = std::fs::canonicalize(within).map_err(|e| e.to_string())?;
+                if !real.starts_with(&within) {
+                    return Err(format!(
+                        "its memory layer {} lies outside {}, where this restore was told its \
+                         layers are",
+                        layer.path.display(),
+                        within.display()
+                    ));
+                }
+            }
+            real
+        };
+        let file = mayfly_snapshot::open_regular(&path).map_err(|e| e.to_string())?;
+        mayfly_snapshot::check_trailer(
+            &file,
+            state.mem_bytes,
+            &layer.snapshot_id,
+            &path.display().to_string(),
+        )
+        .map_err(|e| e.to_string())?;
+        chain.push(ChainLayer {
+            file,
+            path,
+            snapshot_id: layer.snapshot_id,
+            extents: layer.extents.clone(),
+        });
+    }
+    chain.push(ChainLayer {
+        file: top,
+        path: snapshot_dir.join(mayfly_snapshot::MEMORY_FILE),
+        snapshot_id: state.snapshot_id,
+        extents: state.memory_extents.clone(),
+    });
+    Ok(chain)
+}
+
+/// The newest layer of `chain` that holds the page at `offset` (the bottom holds all).
+pub fn layer_holding(chain: &[ChainLayer], offset: u64) -> Option<&ChainLayer> {
+    chain.iter().rev().find(|layer| match &layer.extents {
+        None => true,
+        Some(extents) => {
+            let i = extents.partition_point(|e| e.end() <= offset);
+            extents.get(i).is_some_and(|e| e.offset <= offset)
+        }
+    })
+}
+
+/// Read one page at `offset` of guest RAM from the newest layer of `chain` that holds it.
+pub fn read_chain_page(chain: &[ChainLayer], offset: u64, page: &mut [u8]) -> std::io::Result<()> {
+    match layer_holding(chain, offset) {
+        Some(layer) => layer.file.read_exact_at(page, offset),
+        None => {
+            page.fill(0);
+            Ok(())
+        }
+    }
+}
