@@ -19,11 +19,11 @@ use mayfly_agent_protocol::{
 };
 
 use crate::conn::Conn;
+use crate::op::{send, OpError, SessionError, SessionResult};
 use crate::process::{
     base_env, configure, exit_record, poll, poll_timeout, pollfd, spawn_failure, Switch,
     WaitResult, Waiter, EXIT_GRACE, KILL_GRACE,
 };
-use crate::op::{send, OpError, SessionError, SessionResult};
 use crate::sys::{self, bytes_readable, kill_group, set_nonblocking};
 use crate::users;
 

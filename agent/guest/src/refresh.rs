@@ -13,8 +13,8 @@ use mayfly_agent_protocol::{
 };
 
 use crate::conn::Conn;
-use crate::process::{base_env, run_captured, spawn_failure};
 use crate::op::{send_ok, Config, OpError, SessionResult};
+use crate::process::{base_env, run_captured, spawn_failure};
 use crate::sys::{self, cvt};
 use crate::users;
 

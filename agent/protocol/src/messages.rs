@@ -8,8 +8,8 @@ use std::fmt;
 use serde::de::{self, DeserializeOwned, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-pub use crate::error_code::ErrorCode;
 use crate::error::{FrameError, ProtocolError};
+pub use crate::error_code::ErrorCode;
 use crate::frame::{encode_frame, Frame};
 use crate::frame_type::FrameType;
 
@@ -892,10 +892,12 @@ pub fn read_message<R: std::io::Read + ?Sized>(r: &mut R) -> Result<Option<Messa
 }
 
 /// Encodes and writes one message.
-pub fn write_message<W: std::io::Write + ?Sized>(w: &mut W, msg: &Message) -> Result<(), FrameError> {
+pub fn write_message<W: std::io::Write + ?Sized>(
+    w: &mut W,
+    msg: &Message,
+) -> Result<(), FrameError> {
     let buf = msg.encode()?;
     w.write_all(&buf)?;
     w.flush()?;
     Ok(())
 }
-

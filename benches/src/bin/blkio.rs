@@ -290,7 +290,16 @@ fn boot_once(image: &Path, dir: &TestDir, n: usize) -> Option<f64> {
 
 fn main() {
     let args = Args::parse();
-    let image = mayfly_vmm::devices::disks::rootfs_image("debian").unwrap_or_else(|e| {
+    let image = mayfly_tests::guest::cache_dir().join("rootfs/debian.current/root.ext4");
+    let image = if image.is_file() {
+        Ok(image)
+    } else {
+        Err(format!(
+            "the Debian image is not built (looked for {}): run rootfs/build.sh debian",
+            image.display()
+        ))
+    };
+    let image = image.unwrap_or_else(|e| {
         eprintln!("blkio bench: {e}");
         std::process::exit(1)
     });

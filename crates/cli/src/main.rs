@@ -652,13 +652,53 @@ fn raise_descriptor_limit() {
     }
 }
 
+/// The environment a VMM process reads, here and nowhere below `main`:
+/// - `MAYFLY_SECCOMP`: `on` (the default), `log` or `off` (see `mayfly_jail::seccomp`);
+/// - `MAYFLY_KVM_DEVICE`: another KVM device node than /dev/kvm;
+/// - `MAYFLY_CACHE`: where the build scripts keep images (default `~/.cache/mayfly`);
+/// - `MAYFLY_FORK_COPY`, `MAYFLY_FORK_IN_FLIGHT`: the fork's measuring knobs (see
+///   `mayfly_vmm::settings`);
+/// - `MAYFLY_TRACE` (a fork's zygote): every clone prints its phases.
+///
+/// A bad `MAYFLY_SECCOMP` is said now, before anything starts (a filtered thread that met it
+/// later could only end the process).
+fn take_environment() -> Result<(), mayfly_jail::seccomp::SeccompError> {
+    let var = |name| std::env::var_os(name).filter(|v| !v.is_empty());
+    let seccomp = std::env::var("MAYFLY_SECCOMP")
+        .unwrap_or_default()
+        .parse()?;
+    let _ = mayfly_jail::seccomp::set_mode(seccomp);
+    let _ = mayfly_vmm::settings::set(mayfly_vmm::settings::Settings {
+        kvm_device: var("MAYFLY_KVM_DEVICE")
+            .map_or_else(|| PathBuf::from("/dev/kvm"), PathBuf::from),
+        cache_dir: cache_dir(),
+        fork_copy: std::env::var_os("MAYFLY_FORK_COPY").is_some(),
+        fork_in_flight: std::env::var("MAYFLY_FORK_IN_FLIGHT")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n > 0),
+    });
+    Ok(())
+}
+
+/// `$MAYFLY_CACHE`, else `~/.cache/mayfly` (where the build scripts put images).
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("MAYFLY_CACHE") {
+        return Some(PathBuf::from(dir));
+    }
+    std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache/mayfly"))
+}
+
 fn main() -> ExitCode {
     let cli = parse();
-    if matches!(cli.command, Command::Run(_) | Command::Restore(_)) {
-        raise_descriptor_limit();
-        // A bad MAYFLY_SECCOMP is said now, before anything starts (a filtered thread that
-        // met it later could only end the process).
-        if let Err(err) = mayfly_jail::seccomp::mode() {
+    if matches!(
+        cli.command,
+        Command::Run(_) | Command::Restore(_) | Command::Zygote(_)
+    ) {
+        if !matches!(cli.command, Command::Zygote(_)) {
+            raise_descriptor_limit();
+        }
+        if let Err(err) = take_environment() {
             return fail(err);
         }
     }
@@ -700,6 +740,9 @@ fn main() -> ExitCode {
             (None, None) => client(&args.sock.sock, "GET", "/vm/net", None),
         },
         Command::Zygote(args) => {
+            if std::env::var_os("MAYFLY_TRACE").is_some() {
+                trace::enable();
+            }
             if let Err(err) = mayfly_vmm::memory::ram::install_sigbus_handler() {
                 return fail(Error::Signals(err));
             }

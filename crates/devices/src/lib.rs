@@ -19,6 +19,7 @@ pub mod legacy;
 pub mod persist;
 pub mod power;
 pub mod probe;
+pub mod state;
 pub mod virtio;
 
 /// What a guest asked of the machine through a device: the VMM ends (or restarts) the VM.

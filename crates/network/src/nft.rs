@@ -21,8 +21,8 @@ use std::os::fd::{AsRawFd, FromRawFd};
 
 use ipnet::Ipv4Net;
 
-use crate::policy::Resolved;
 use crate::addr::{GUEST_IP, NS_TAP, NS_UPLINK};
+use crate::policy::Resolved;
 
 /// The ruleset of a slot's namespace. `snat` is the slot's outside address; `never` the
 /// networks no policy reaches (the slot pool, the configured extras).

@@ -38,7 +38,7 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> GatherError {
 /// snapshot was written by a VMM whose own directory that is. For the sandbox manager, which
 /// makes a fork base of a sandbox's snapshot; it runs as root, which may link any file.
 pub fn gather_layers(snapshot: &Path, within: &Path) -> Result<usize, GatherError> {
-    use mayfly_devices::persist::VirtioKindState;
+    use mayfly_devices::state::VirtioKindState;
 
     let state_path = snapshot.join(crate::layout::STATE_FILE);
     let gather = |reason: String| GatherError::Gather {

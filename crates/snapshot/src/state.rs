@@ -4,7 +4,7 @@ use kvm_bindings::{
     kvm_clock_data, kvm_cpuid_entry2, kvm_debugregs, kvm_irqchip, kvm_lapic_state, kvm_mp_state,
     kvm_msr_entry, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs,
 };
-use mayfly_devices::persist::DevicesState;
+use mayfly_devices::state::DevicesState;
 use serde::{Deserialize, Serialize};
 
 /// Entries of [`VmState::working_set`] kept at most (16 GiB of 4 KiB pages): more is no longer
@@ -173,6 +173,8 @@ pub struct IdentityState {
     pub generation: u64,
 }
 
+/// A range of guest RAM and where it sits in the memory file: the one guest-range type of
+/// mayfly (the VMM lays RAM out in these, maps them, and a snapshot records them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryRange {
     pub guest_addr: u64,
@@ -400,7 +402,7 @@ mod golden {
     };
     use mayfly_devices::disk::{Chain, DiskIdentity, LayerId};
     use mayfly_devices::legacy::SerialConsoleState;
-    use mayfly_devices::persist::{DeviceResources, VirtioDeviceState, VirtioKindState};
+    use mayfly_devices::state::{DeviceResources, VirtioDeviceState, VirtioKindState};
     use mayfly_devices::virtio::block::BlockState;
     use mayfly_devices::virtio::mmio::MmioTransportState;
     use mayfly_devices::virtio::net::NetState;

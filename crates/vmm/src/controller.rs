@@ -6,14 +6,13 @@
 use std::path::Path;
 use std::sync::mpsc::{Receiver, Sender};
 
-
 use mayfly_devices::PowerRequest;
 
 use crate::event::{VmEvent, VmExit};
 use crate::guest::refresh::Refresh;
 use crate::machine::Machine;
-use crate::runtime::Vmm;
 use crate::persist::fork::ForkError;
+use crate::runtime::Vmm;
 use mayfly_api::{Action, ApiServer, Reply};
 use mayfly_sys::claim::SocketClaim;
 

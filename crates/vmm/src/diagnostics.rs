@@ -182,7 +182,8 @@ pub fn state_dump(vm: &mut Machine) -> String {
         let _ = writeln!(out, "  {line}");
     }
     // 2. The devices and interrupt controllers.
-    let serial = mayfly_devices::bus::lock(&vm.devices.serial).state();
+    let serial =
+        mayfly_devices::persist::Persist::save(&*mayfly_devices::bus::lock(&vm.devices.serial));
     let _ = writeln!(
         out,
         "  serial: IER {:#04x} IIR {:#04x} LSR {:#04x} MCR {:#04x} LCR {:#04x}, {} input bytes queued",

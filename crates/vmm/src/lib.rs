@@ -37,6 +37,7 @@ pub mod machine;
 pub mod memory;
 pub mod persist;
 pub mod runtime;
+pub mod settings;
 pub mod trace;
 pub mod vcpu;
 pub mod vm;

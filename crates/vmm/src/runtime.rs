@@ -54,7 +54,11 @@ pub fn serve_api(
 
 /// What `GET /vm` answers for `machine`; `held_for_fork`: a clone restored and held until its
 /// fork has every clone ready (it runs then).
-pub fn describe(machine: &Machine, refresh: &RefreshStatus, held_for_fork: bool) -> serde_json::Value {
+pub fn describe(
+    machine: &Machine,
+    refresh: &RefreshStatus,
+    held_for_fork: bool,
+) -> serde_json::Value {
     let m = machine;
     let id = &m.info.identity;
     let vsock = m.devices.vsock();

@@ -16,9 +16,7 @@ use crate::vcpu::{VcpuContext, VcpuHandle};
 
 /// The KVM device; `MAYFLY_KVM_DEVICE` overrides it (for tests and unusual hosts).
 pub fn kvm_device_path() -> PathBuf {
-    std::env::var_os("MAYFLY_KVM_DEVICE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/dev/kvm"))
+    crate::settings::get().kvm_device.clone()
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -55,9 +55,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub use error::DiskError;
 pub use io::IoVecs;
 use io::{gather, preadv_full, punch_hole, pwritev_full, zero, Cursor};
-pub use error::DiskError;
 use layer::{check_base_identity, check_disk_size, in_memory, open_regular, BlockState, Layer};
 pub use layer::{LayerId, LayerInfo, BLOCK_BYTES, BLOCK_SIZE, MAX_BASE_IDENTITY, MAX_DISK_SIZE};
 
@@ -67,7 +67,6 @@ pub const COMPACT_THRESHOLD: usize = 8;
 pub const MAX_LAYERS: usize = 128;
 
 static ZEROS: [u8; BLOCK_BYTES] = [0; BLOCK_BYTES];
-
 
 /// The files of a disk: the base image and the layers on it, bottom to top.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -8,6 +8,7 @@ use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::bus::BusDevice;
+use crate::persist::Persist;
 
 /// The COM1 port base and its interrupt line.
 pub const COM1_PORT: u64 = 0x3f8;
@@ -55,19 +56,16 @@ pub struct SerialConsoleState {
 #[error("the saved serial console state is invalid: {0}")]
 pub struct SerialStateError(String);
 
-impl SerialConsole {
-    pub fn new(irq: EventFd, out: ConsoleOut) -> Self {
-        Self {
-            uart: Serial::new(IrqEventFd(irq), out),
-            output_failed: false,
-        }
-    }
+impl Persist for SerialConsole {
+    type State = SerialConsoleState;
+    /// Its interrupt line and where its output goes now.
+    type ConstructorArgs = (EventFd, ConsoleOut);
+    type Error = SerialStateError;
 
     /// A console in a saved state, writing to a new output.
-    pub fn from_state(
+    fn restore(
+        (irq, out): (EventFd, ConsoleOut),
         state: &SerialConsoleState,
-        irq: EventFd,
-        out: ConsoleOut,
     ) -> Result<Self, SerialStateError> {
         let uart_state = SerialState {
             baud_divisor_low: state.baud_divisor_low,
@@ -89,7 +87,7 @@ impl SerialConsole {
         })
     }
 
-    pub fn state(&self) -> SerialConsoleState {
+    fn save(&self) -> SerialConsoleState {
         let s = self.uart.state();
         SerialConsoleState {
             baud_divisor_low: s.baud_divisor_low,
@@ -102,6 +100,15 @@ impl SerialConsole {
             modem_status: s.modem_status,
             scratch: s.scratch,
             in_buffer: s.in_buffer,
+        }
+    }
+}
+
+impl SerialConsole {
+    pub fn new(irq: EventFd, out: ConsoleOut) -> Self {
+        Self {
+            uart: Serial::new(IrqEventFd(irq), out),
+            output_failed: false,
         }
     }
 
@@ -206,13 +213,13 @@ mod tests {
         console.write(3, &[0x03]); // 8N1
         console.write(1, &[0x01]);
         console.queue_input(b"abc");
-        let state = console.state();
+        let state = console.save();
         assert_eq!(state.in_buffer, b"abc");
         assert_eq!(state.line_control, 0x03);
 
         let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        let mut restored = SerialConsole::from_state(&state, irq, Box::new(io::sink())).unwrap();
-        assert_eq!(restored.state(), state);
+        let mut restored = SerialConsole::restore((irq, Box::new(io::sink())), &state).unwrap();
+        assert_eq!(restored.save(), state);
         let mut byte = [0u8];
         restored.read(0, &mut byte);
         assert_eq!(byte[0], b'a');

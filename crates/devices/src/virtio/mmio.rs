@@ -16,6 +16,7 @@ use virtio_queue::{Queue, QueueT};
 
 use super::{new_queues, GuestMemory, Interrupt, QueueSnapshot, VirtioDevice};
 use crate::bus::{lock, BusDevice};
+use crate::persist::Persist;
 
 /// "virt", little-endian.
 const MAGIC: u32 = 0x7472_6976;
@@ -90,80 +91,6 @@ impl MmioTransport {
 
     pub fn is_activated(&self) -> bool {
         self.activated
-    }
-
-    /// The transport's state; with an activated device the queues come from the device.
-    pub fn state(&self) -> MmioTransportState {
-        let device = lock(&self.device);
-        let queues = match (self.activated, device.queues()) {
-            (true, Some(queues)) => queues.iter().map(QueueSnapshot::of).collect(),
-            _ => self.queues.iter().map(QueueSnapshot::of).collect(),
-        };
-        MmioTransportState {
-            status: self.status,
-            device_features_select: self.device_features_select,
-            driver_features_select: self.driver_features_select,
-            driver_features: self.driver_features,
-            queue_select: self.queue_select,
-            interrupt_status: self.interrupt.status(),
-            config_generation: self.config_generation,
-            queues,
-            activated: self.activated,
-        }
-    }
-
-    /// A transport in a saved state, over a device restored from its own state. An activated
-    /// device is activated again with the saved queues (checked against guest memory: a state
-    /// whose rings point outside it is refused).
-    pub fn restore(
-        device: Arc<Mutex<dyn VirtioDevice>>,
-        mem: GuestMemory,
-        interrupt: Arc<Interrupt>,
-        state: &MmioTransportState,
-    ) -> Result<Self, String> {
-        let max_sizes = lock(&device).queue_max_sizes().to_vec();
-        if state.queues.len() != max_sizes.len() {
-            return Err(format!(
-                "{} queues saved for a device with {}",
-                state.queues.len(),
-                max_sizes.len()
-            ));
-        }
-        let queues = state
-            .queues
-            .iter()
-            .zip(&max_sizes)
-            .map(|(q, &max)| q.to_queue(max))
-            .collect::<Result<Vec<_>, _>>()?;
-        let offered = lock(&device).features();
-        if state.driver_features & !offered != 0 {
-            return Err(format!(
-                "driver features {:#x} the device does not offer",
-                state.driver_features & !offered
-            ));
-        }
-        let mut transport = Self {
-            device,
-            mem,
-            interrupt,
-            status: state.status,
-            device_features_select: state.device_features_select,
-            driver_features_select: state.driver_features_select,
-            driver_features: state.driver_features,
-            queue_select: state.queue_select,
-            config_generation: state.config_generation,
-            bad_size: vec![false; queues.len()],
-            queues,
-            activated: false,
-        };
-        lock(&transport.device).ack_features(state.driver_features);
-        if state.activated {
-            transport
-                .activate()
-                .map_err(|e| format!("the device does not start again: {e}"))?;
-        }
-        transport.interrupt.restore(state.interrupt_status);
-        Ok(transport)
     }
 
     /// Raise the interrupt a snapshot saw pending (see [`Interrupt::raise_pending`]).
@@ -275,6 +202,85 @@ impl MmioTransport {
             return;
         }
         self.status = status;
+    }
+}
+
+impl Persist for MmioTransport {
+    type State = MmioTransportState;
+    /// The device it drives (restored from its own state first), guest memory, its interrupt.
+    type ConstructorArgs = (Arc<Mutex<dyn VirtioDevice>>, GuestMemory, Arc<Interrupt>);
+    type Error = String;
+
+    /// The transport's state; with an activated device the queues come from the device.
+    fn save(&self) -> MmioTransportState {
+        let device = lock(&self.device);
+        let queues = match (self.activated, device.queues()) {
+            (true, Some(queues)) => queues.iter().map(QueueSnapshot::of).collect(),
+            _ => self.queues.iter().map(QueueSnapshot::of).collect(),
+        };
+        MmioTransportState {
+            status: self.status,
+            device_features_select: self.device_features_select,
+            driver_features_select: self.driver_features_select,
+            driver_features: self.driver_features,
+            queue_select: self.queue_select,
+            interrupt_status: self.interrupt.status(),
+            config_generation: self.config_generation,
+            queues,
+            activated: self.activated,
+        }
+    }
+
+    /// A transport in a saved state, over a device restored from its own state. An activated
+    /// device is activated again with the saved queues (checked against guest memory: a state
+    /// whose rings point outside it is refused).
+    fn restore(
+        (device, mem, interrupt): (Arc<Mutex<dyn VirtioDevice>>, GuestMemory, Arc<Interrupt>),
+        state: &MmioTransportState,
+    ) -> Result<Self, String> {
+        let max_sizes = lock(&device).queue_max_sizes().to_vec();
+        if state.queues.len() != max_sizes.len() {
+            return Err(format!(
+                "{} queues saved for a device with {}",
+                state.queues.len(),
+                max_sizes.len()
+            ));
+        }
+        let queues = state
+            .queues
+            .iter()
+            .zip(&max_sizes)
+            .map(|(q, &max)| q.to_queue(max))
+            .collect::<Result<Vec<_>, _>>()?;
+        let offered = lock(&device).features();
+        if state.driver_features & !offered != 0 {
+            return Err(format!(
+                "driver features {:#x} the device does not offer",
+                state.driver_features & !offered
+            ));
+        }
+        let mut transport = Self {
+            device,
+            mem,
+            interrupt,
+            status: state.status,
+            device_features_select: state.device_features_select,
+            driver_features_select: state.driver_features_select,
+            driver_features: state.driver_features,
+            queue_select: state.queue_select,
+            config_generation: state.config_generation,
+            bad_size: vec![false; queues.len()],
+            queues,
+            activated: false,
+        };
+        lock(&transport.device).ack_features(state.driver_features);
+        if state.activated {
+            transport
+                .activate()
+                .map_err(|e| format!("the device does not start again: {e}"))?;
+        }
+        transport.interrupt.restore(state.interrupt_status);
+        Ok(transport)
     }
 }
 
@@ -425,6 +431,10 @@ mod tests {
     }
 
     impl VirtioDevice for Dummy {
+        fn name(&self) -> &'static str {
+            "dummy"
+        }
+
         fn device_type(&self) -> u32 {
             42
         }
@@ -621,21 +631,21 @@ mod tests {
         negotiate(&mut t);
         queue(&mut t, 0, 0x1_0000, 16);
         wr(&mut t, VIRTIO_MMIO_STATUS, ALL_OK);
-        let state = t.state();
+        let state = t.save();
         assert!(state.activated);
         dummy.lock().unwrap().queues = None;
 
         let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
         let interrupt = Arc::new(Interrupt::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()));
-        let restored = MmioTransport::restore(dummy.clone(), mem, interrupt, &state).unwrap();
+        let restored = MmioTransport::restore((dummy.clone(), mem, interrupt), &state).unwrap();
         assert!(restored.is_activated());
-        assert_eq!(restored.state(), state);
+        assert_eq!(restored.save(), state);
 
         // A state that points a queue outside guest memory does not start the device.
         let mut bad = state.clone();
         bad.queues[0].desc_table = 0xffff_0000_0000;
         let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
         let interrupt = Arc::new(Interrupt::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()));
-        assert!(MmioTransport::restore(dummy, mem, interrupt, &bad).is_err());
+        assert!(MmioTransport::restore((dummy, mem, interrupt), &bad).is_err());
     }
 }

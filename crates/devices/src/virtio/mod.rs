@@ -22,6 +22,9 @@ use virtio_queue::{Queue, QueueT};
 use vmm_sys_util::eventfd::EventFd;
 
 pub mod block;
+#[cfg(test)]
+pub(crate) mod contract;
+pub mod device;
 pub mod mmio;
 pub mod net;
 pub mod rng;
@@ -108,6 +111,13 @@ pub enum ActivateError {
 /// event loop ([`MutEventSubscriber`]): the queue eventfds and whatever host file descriptors
 /// serve them.
 pub trait VirtioDevice: MutEventSubscriber + Send {
+    /// Its name, for its thread and in messages: `virtio-rng`, `virtio-blk`, ...
+    fn name(&self) -> &'static str;
+    /// What it is doing, in a few words, for the VMM's state dump (its counters, its
+    /// connections); none for a device with nothing to say.
+    fn describe(&self) -> Option<String> {
+        None
+    }
     /// The virtio device ID (`VIRTIO_ID_*`).
     fn device_type(&self) -> u32;
     /// How many queues the device has, and the largest size of each.

@@ -13,6 +13,8 @@ use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::persist::Persist;
+
 use super::{
     complete, drain, ActivateError, GuestMemory, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1,
 };
@@ -72,18 +74,6 @@ impl Rng {
         })
     }
 
-    pub fn save(&self) -> RngState {
-        RngState {
-            acked_features: self.acked_features,
-        }
-    }
-
-    pub fn restore(state: &RngState) -> std::io::Result<Self> {
-        let mut rng = Self::new()?;
-        rng.acked_features = state.acked_features;
-        Ok(rng)
-    }
-
     pub fn served(&self) -> u64 {
         self.served
     }
@@ -138,7 +128,29 @@ impl Rng {
     }
 }
 
+impl Persist for Rng {
+    type State = RngState;
+    type ConstructorArgs = ();
+    type Error = std::io::Error;
+
+    fn save(&self) -> RngState {
+        RngState {
+            acked_features: self.acked_features,
+        }
+    }
+
+    fn restore((): (), state: &RngState) -> std::io::Result<Self> {
+        let mut rng = Self::new()?;
+        rng.acked_features = state.acked_features;
+        Ok(rng)
+    }
+}
+
 impl VirtioDevice for Rng {
+    fn name(&self) -> &'static str {
+        "virtio-rng"
+    }
+
     fn device_type(&self) -> u32 {
         VIRTIO_ID_RNG
     }
@@ -242,6 +254,11 @@ mod tests {
 
     fn desc(addr: u64, len: u32, flags: u16, next: u16) -> RawDescriptor {
         RawDescriptor::from(SplitDescriptor::new(addr, len, flags, next))
+    }
+
+    #[test]
+    fn keeps_the_device_contract() {
+        crate::virtio::contract::check(|| Rng::new().unwrap(), || ());
     }
 
     #[test]

@@ -132,18 +132,32 @@ pub enum Mode {
     Off,
 }
 
-/// `MAYFLY_SECCOMP`, read once.
-pub fn mode() -> Result<Mode, SeccompError> {
-    static MODE: OnceLock<Result<Mode, String>> = OnceLock::new();
-    MODE.get_or_init(|| match std::env::var("MAYFLY_SECCOMP").as_deref() {
-        Ok("on") => Ok(Mode::Enforce),
-        Err(_) | Ok("") => Ok(Mode::Enforce),
-        Ok("log") => Ok(Mode::Log),
-        Ok("off") => Ok(Mode::Off),
-        Ok(other) => Err(other.to_owned()),
-    })
-    .clone()
-    .map_err(SeccompError::Mode)
+impl std::str::FromStr for Mode {
+    type Err = SeccompError;
+
+    /// `on` (or empty), `log` or `off`: what `MAYFLY_SECCOMP` says.
+    fn from_str(text: &str) -> Result<Mode, SeccompError> {
+        match text {
+            "on" | "" => Ok(Mode::Enforce),
+            "log" => Ok(Mode::Log),
+            "off" => Ok(Mode::Off),
+            other => Err(SeccompError::Mode(other.to_owned())),
+        }
+    }
+}
+
+static MODE: OnceLock<Mode> = OnceLock::new();
+
+/// Make every filter of this process in `mode` (the `mayfly` command sets what
+/// `MAYFLY_SECCOMP` says, first thing in `main`). Once: returns `mode` back if the process
+/// already has one (set before, or read by a filter already made).
+pub fn set_mode(mode: Mode) -> Result<(), Mode> {
+    MODE.set(mode)
+}
+
+/// The mode filters are made in: as [`set_mode`] set it, else [`Mode::Enforce`].
+pub fn mode() -> Mode {
+    *MODE.get_or_init(|| Mode::Enforce)
 }
 
 /// Every filtered thread: memory, threads and their end, time, signals (the kick, the SIGSYS
@@ -400,7 +414,7 @@ fn program(kind: ThreadKind, mode: Mode) -> Result<&'static BpfProgram, SeccompE
 /// Compile every filter now, in a process about to fork(2) the VMMs that install them (the
 /// fork's zygote): each clone then finds them compiled instead of compiling its own.
 pub fn prepare() -> Result<(), SeccompError> {
-    let mode = mode()?;
+    let mode = mode();
     if mode == Mode::Off {
         return Ok(());
     }
@@ -416,7 +430,7 @@ thread_local! {
 /// Install `kind`'s filter on the calling thread (and the SIGSYS report, once per process).
 /// With `MAYFLY_SECCOMP=off`, nothing.
 pub fn install(kind: ThreadKind) -> Result<(), SeccompError> {
-    let mode = mode()?;
+    let mode = mode();
     if mode == Mode::Off {
         return Ok(());
     }

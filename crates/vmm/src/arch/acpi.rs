@@ -17,7 +17,7 @@ use super::layout::{
     VMGENID_ADDR,
 };
 use crate::memory::ram::GuestMemory;
-use mayfly_devices::persist::DeviceResources;
+use mayfly_devices::state::DeviceResources;
 
 const OEM_ID: &[u8; 6] = b"MAYFLY";
 const OEM_TABLE_ID: &[u8; 8] = b"MICROVM ";

@@ -17,6 +17,8 @@
 //! 0x1_0000_0000  RAM beyond 3 GiB continues here
 //! ```
 
+use mayfly_snapshot::MemoryRange;
+
 pub const BOOT_GDT_START: u64 = 0x500;
 pub const BOOT_IDT_START: u64 = 0x520;
 pub const PVH_INFO_START: u64 = 0x6000;
@@ -56,25 +58,17 @@ pub const KVM_IDENTITY_MAP_ADDR: u64 = 0xfffb_c000;
 /// The IOAPIC's pins (GSIs 0..24).
 pub const IOAPIC_PINS: u8 = 24;
 
-/// A range of guest RAM and where it sits in the memory file.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RamRange {
-    pub guest_addr: u64,
-    pub size: u64,
-    pub file_offset: u64,
-}
-
 /// RAM for a guest of `mem_bytes`: below the MMIO gap, then the rest above 4 GiB. The memory
 /// file holds both back to back.
-pub fn ram_ranges(mem_bytes: u64) -> Vec<RamRange> {
+pub fn ram_ranges(mem_bytes: u64) -> Vec<MemoryRange> {
     let low = mem_bytes.min(MMIO_GAP_START);
-    let mut ranges = vec![RamRange {
+    let mut ranges = vec![MemoryRange {
         guest_addr: 0,
         size: low,
         file_offset: 0,
     }];
     if mem_bytes > low {
-        ranges.push(RamRange {
+        ranges.push(MemoryRange {
             guest_addr: MMIO_GAP_END,
             size: mem_bytes - low,
             file_offset: low,
@@ -120,7 +114,7 @@ mod tests {
     fn small_guest_is_one_range() {
         assert_eq!(
             ram_ranges(128 * MIB),
-            vec![RamRange {
+            vec![MemoryRange {
                 guest_addr: 0,
                 size: 128 * MIB,
                 file_offset: 0

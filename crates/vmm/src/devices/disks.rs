@@ -22,7 +22,7 @@
 //!   with a `stat` rather than by reading gigabytes.
 
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Component, Path, PathBuf};
@@ -134,20 +134,14 @@ pub fn serial(index: usize) -> Result<String, DiskSetupError> {
     Ok(format!("vd{}", char::from(b'a' + letter)))
 }
 
-/// `$MAYFLY_CACHE`, else `~/.cache/mayfly` (where the build scripts put images).
-pub fn cache_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("MAYFLY_CACHE") {
-        return Some(PathBuf::from(dir));
-    }
-    std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache/mayfly"))
-}
-
 /// What `--rootfs` names: `debian` (the image `rootfs/build.sh debian` built) or a path.
 pub fn rootfs_image(name: &str) -> Result<PathBuf, DiskSetupError> {
     if name != "debian" {
         return Ok(PathBuf::from(name));
     }
-    let path = cache_dir()
+    let path = crate::settings::get()
+        .cache_dir
+        .clone()
         .unwrap_or_else(|| PathBuf::from("~/.cache/mayfly"))
         .join("rootfs/debian.current/root.ext4");
     match std::fs::metadata(&path) {
@@ -195,7 +189,10 @@ pub fn base_identity(path: &Path) -> Result<String, DiskSetupError> {
             m.ctime_nsec()
         )
     };
-    let cached = cache_dir().map(|dir| dir.join("base-ids").join(key(&before)));
+    let cached = crate::settings::get()
+        .cache_dir
+        .as_ref()
+        .map(|dir| dir.join("base-ids").join(key(&before)));
     if let Some(cached) = &cached {
         if let Ok(text) = std::fs::read_to_string(cached) {
             let text = text.trim();
@@ -236,33 +233,11 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Write `bytes` to `path` through a temporary file and a rename (fsynced), creating the
-/// parent directory if need be.
+/// Write `bytes` to `path` atomically (see `mayfly_sys::atomic`), creating the parent
+/// directory if need be.
 fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let parent = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent)?;
-    let tmp = parent.join(format!(
-        ".{}.tmp-{}",
-        path.file_name().unwrap_or_default().to_string_lossy(),
-        std::process::id()
-    ));
-    let result = (|| {
-        let mut file = File::options()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .mode(0o600)
-            .open(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        File::open(parent)?.sync_all()
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    std::fs::create_dir_all(path.parent().unwrap_or(Path::new(".")))?;
+    mayfly_sys::atomic::write(path, bytes)
 }
 
 /// Make (or reuse) the VM's disk directory: a real directory, not a symlink to one.

@@ -10,39 +10,40 @@
 //! - Pause quiesces the device threads and the console's helper threads (see
 //!   `mayfly_devices::virtio::thread`): a snapshot or fork that follows reads devices that
 //!   nothing changes, and no device touches guest memory meanwhile.
-//! - Each device saves and restores itself beside its own code (`Persist`-style `save` /
-//!   `restore` in `mayfly_devices`); this module only collects and dispatches.
+//! - Each device saves and restores itself beside its own code (`mayfly_devices::persist::
+//!   Persist`); the manager holds every virtio device through one trait
+//!   (`mayfly_devices::virtio::device::Device`) and does the same for each. What differs by
+//!   kind (how a device is made at boot and from a snapshot) is in [`virtio`], the one place a
+//!   new device is added on this side.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 
-use event_manager::MutEventSubscriber;
-
 use kvm_ioctls::{IoEventAddress, VmFd};
-use mayfly_devices::bus::{lock, BusError, MmioBus, PioBus};
+use mayfly_devices::bus::{lock, MmioBus, PioBus};
 use mayfly_devices::legacy::i8042::{I8042_PORT, I8042_PORT_COUNT};
 use mayfly_devices::legacy::serial::{ConsoleOut, COM1_IRQ, COM1_PORT, COM1_PORT_COUNT};
 use mayfly_devices::legacy::{SerialConsole, SerialConsoleState, I8042};
-use mayfly_devices::persist::{DeviceResources, DevicesState, VirtioDeviceState, VirtioKindState};
+use mayfly_devices::persist::Persist;
 use mayfly_devices::power::{AcpiPower, ACPI_POWER_PORT, ACPI_POWER_PORT_COUNT};
 use mayfly_devices::probe::{Probe, ProbeWaker, PROBE_ADDR, PROBE_SIZE};
-use mayfly_devices::virtio::block::{Block, BlockError};
+use mayfly_devices::state::{DeviceResources, DevicesState, VirtioDeviceState, VirtioKindState};
+use mayfly_devices::virtio::device::Device;
 use mayfly_devices::virtio::mmio::{MmioTransport, MmioTransportState};
-use mayfly_devices::virtio::net::{Net, NetError};
-use mayfly_devices::virtio::rng::Rng;
 use mayfly_devices::virtio::thread::{DeviceThread, Gate};
-use mayfly_devices::virtio::vsock::{Vsock, VsockError};
-use mayfly_devices::virtio::{GuestMemory, Interrupt, VirtioDevice, MMIO_WINDOW};
+use mayfly_devices::virtio::{GuestMemory, Interrupt, MMIO_WINDOW};
 use mayfly_devices::PowerHandler;
+use mayfly_network::VmNetwork;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::layout::{GED_GSI, IOAPIC_PINS};
-use crate::devices::disks::{self, DiskSetupError, DiskSpec};
-use crate::devices::net::{self, NetSetupError, NetSpec, NetTargets};
+pub use crate::devices::config::{DevicesConfig, RestoreTargets, VsockConfig};
+use crate::devices::disks::{self, DiskSetupError};
+pub use crate::devices::error::DeviceError;
+use crate::devices::net::{self, NetSetupError};
+use crate::devices::virtio::{self, Made, Role};
 use crate::event::VmEvent;
-use mayfly_jail::seccomp::ThreadKind;
-use mayfly_network::VmNetwork;
 
 /// Where virtio MMIO windows start: after the probe device's page, in the gap below 4 GiB.
 pub const VIRTIO_MMIO_START: u64 = PROBE_ADDR + PROBE_SIZE;
@@ -52,44 +53,6 @@ pub const VIRTIO_MMIO_END: u64 = VIRTIO_MMIO_START + 0x100_0000;
 pub const FIRST_VIRTIO_GSI: u32 = 6;
 /// The guest CID a VM's vsock device has unless told otherwise.
 pub const DEFAULT_GUEST_CID: u64 = 3;
-
-#[derive(Debug, thiserror::Error)]
-pub enum DeviceError {
-    #[error("cannot create an eventfd for a device: {0}")]
-    EventFd(std::io::Error),
-    #[error("KVM refused to connect a device interrupt (irqfd): {0}")]
-    Irqfd(kvm_ioctls::Error),
-    #[error("KVM refused a device's queue notification (ioeventfd): {0}")]
-    Ioeventfd(kvm_ioctls::Error),
-    #[error(transparent)]
-    Bus(#[from] BusError),
-    #[error(transparent)]
-    SerialState(#[from] mayfly_devices::legacy::serial::SerialStateError),
-    #[error("no room for another device: {0}")]
-    Exhausted(&'static str),
-    #[error(transparent)]
-    Vsock(#[from] VsockError),
-    #[error("cannot start a device thread: {0}")]
-    Thread(std::io::Error),
-    #[error("the snapshot's {device} device cannot be restored: {reason}")]
-    BadState {
-        device: &'static str,
-        reason: String,
-    },
-    #[error("a device thread did not stop for the pause: {0}")]
-    Stuck(String),
-    #[error("disk {serial}: {source}")]
-    Disk {
-        serial: String,
-        source: DiskSetupError,
-    },
-    #[error("disk {serial}: {source}")]
-    Block { serial: String, source: BlockError },
-    #[error("the VM's network: {0}")]
-    Network(#[from] NetSetupError),
-    #[error("the VM's NIC: {0}")]
-    Net(#[from] NetError),
-}
 
 /// Hands out MMIO windows and interrupt lines, and takes back those a restored VM already has.
 struct ResourceAllocator {
@@ -141,71 +104,16 @@ impl ResourceAllocator {
     }
 }
 
-/// Which virtio devices a VM gets at boot.
-#[derive(Clone, Debug, Default)]
-pub struct DevicesConfig {
-    pub rng: bool,
-    pub vsock: Option<VsockConfig>,
-    /// Disks, in order: the first is `vda` (the root file system with `--rootfs`).
-    pub disks: Vec<DiskSpec>,
-    /// Where the writable disks' own layers live (see `disks`).
-    pub disk_dir: Option<PathBuf>,
-    /// A NIC and its network (none: `--net none`, no NIC at all).
-    pub net: Option<NetSpec>,
-}
-
-/// The vsock device: the guest's CID and the host socket (none: the guest can reach nothing
-/// and nothing reaches it, but its driver stays bound, so a snapshot keeps the device).
-#[derive(Clone, Debug)]
-pub struct VsockConfig {
-    pub guest_cid: u64,
-    pub path: Option<PathBuf>,
-}
-
-/// What a restored VM's devices connect to on this host (which may differ from where the
-/// snapshot was taken).
-#[derive(Clone, Debug, Default)]
-pub struct RestoreTargets {
-    pub vsock_path: Option<PathBuf>,
-    /// A clone's own CID; None keeps the snapshot's.
-    pub vsock_cid: Option<u64>,
-    /// The snapshot directory the disks' layers are named relative to (None for a fork,
-    /// whose state names them by full path).
-    pub snapshot_dir: Option<PathBuf>,
-    /// Where the writable disks' new top layers go.
-    pub disk_dir: Option<PathBuf>,
-    /// Layers named by full path must lie in here (see [`disks::open_for_restore`]).
-    pub layers_within: Option<PathBuf>,
-    /// Where the NIC's network is made (if the snapshot has a NIC), and with what.
-    pub net: NetTargets,
-}
-
-/// A device of known kind (for its own state), as the manager keeps it.
-enum Concrete {
-    Rng(Arc<Mutex<Rng>>),
-    Vsock(Arc<Mutex<Vsock>>),
-    Block(Arc<Mutex<Block>>),
-    Net(Arc<Mutex<Net>>),
-}
-
 struct VirtioSlot {
     resources: DeviceResources,
-    /// What the device is, read once at creation: asking it later means taking its lock,
-    /// which its thread holds while it works (the controller must never wait on a device).
-    summary: Summary,
+    /// What the device is to the VMM, read once at creation: asking it later means taking its
+    /// lock, which its thread holds while it works (the controller must never wait on a
+    /// device).
+    role: Role,
     transport: Arc<Mutex<MmioTransport>>,
-    concrete: Concrete,
+    device: Arc<Mutex<dyn Device>>,
     /// Dropped first: the thread stops before the device goes.
     thread: DeviceThread,
-}
-
-/// What a device is, as far as the controller needs to know it.
-#[derive(Clone, Debug)]
-enum Summary {
-    Rng,
-    Vsock { path: Option<PathBuf>, cid: u64 },
-    Block { serial: String, read_only: bool },
-    Net,
 }
 
 /// A device's lock, if its thread lets go of it within a moment: for the state dump, which must
@@ -270,63 +178,13 @@ impl DeviceManager {
     ) -> Result<Self, DeviceError> {
         let mut manager = Self::legacy(wiring, console_out, None, probe)?;
         let mut allocator = ResourceAllocator::new();
-        if config.rng {
-            let rng = Arc::new(Mutex::new(Rng::new().map_err(DeviceError::EventFd)?));
+        for made in virtio::boot(config, &mut manager.network)? {
             let res = allocator.allocate()?;
-            manager.add_virtio(wiring, res, Concrete::Rng(rng), None)?;
-        }
-        if let Some(vsock) = &config.vsock {
-            let device = Vsock::new(vsock.guest_cid, vsock.path.as_deref())?;
-            let res = allocator.allocate()?;
-            manager.add_virtio(
-                wiring,
-                res,
-                Concrete::Vsock(Arc::new(Mutex::new(device))),
-                None,
-            )?;
+            manager.add_virtio(wiring, res, made, None)?;
         }
         manager.disk_dir = config.disk_dir.clone();
-        for (index, spec) in config.disks.iter().enumerate() {
-            let serial = disks::serial(index).map_err(|source| DeviceError::Disk {
-                serial: format!("#{index}"),
-                source,
-            })?;
-            let disk = disks::open_for_boot(spec, &serial, config.disk_dir.as_deref()).map_err(
-                |source| DeviceError::Disk {
-                    serial: serial.clone(),
-                    source,
-                },
-            )?;
-            let block = Block::new(disk, &serial).map_err(|source| DeviceError::Block {
-                serial: serial.clone(),
-                source,
-            })?;
-            let res = allocator.allocate()?;
-            manager.add_virtio(
-                wiring,
-                res,
-                Concrete::Block(Arc::new(Mutex::new(block))),
-                None,
-            )?;
-        }
-        if let Some(spec) = &config.net {
-            if spec.policy != mayfly_network::Policy::None {
-                let mut network = net::attach(&spec.settings, &spec.policy, None)?;
-                let tap = network.take_tap().ok_or(DeviceError::BadState {
-                    device: "virtio-net",
-                    reason: "the network came without its tap".into(),
-                })?;
-                let device = Net::new(tap, network.guest().mac)?;
-                let res = allocator.allocate()?;
-                manager.add_virtio(
-                    wiring,
-                    res,
-                    Concrete::Net(Arc::new(Mutex::new(device))),
-                    None,
-                )?;
-                manager.network = Some(network);
-                manager.net_settings = Some(spec.settings.clone());
-            }
+        if manager.network.is_some() {
+            manager.net_settings = config.net.as_ref().map(|spec| spec.settings.clone());
         }
         Ok(manager)
     }
@@ -346,66 +204,11 @@ impl DeviceManager {
         let mut allocator = ResourceAllocator::new();
         for saved in &state.virtio {
             allocator.claim(&saved.resources)?;
-            let concrete = match &saved.device {
-                VirtioKindState::Rng(s) => Concrete::Rng(Arc::new(Mutex::new(
-                    Rng::restore(s).map_err(DeviceError::EventFd)?,
-                ))),
-                VirtioKindState::Vsock(s) => {
-                    let cid = targets.vsock_cid.unwrap_or(s.guest_cid);
-                    Concrete::Vsock(Arc::new(Mutex::new(Vsock::restore(
-                        s,
-                        cid,
-                        targets.vsock_path.as_deref(),
-                    )?)))
-                }
-                VirtioKindState::Block(s) => {
-                    let serial = s.serial.clone();
-                    let disk = disks::open_for_restore(
-                        s,
-                        targets.snapshot_dir.as_deref(),
-                        targets.disk_dir.as_deref(),
-                        targets.layers_within.as_deref(),
-                    )
-                    .map_err(|source| DeviceError::Disk {
-                        serial: serial.clone(),
-                        source,
-                    })?;
-                    Concrete::Block(Arc::new(Mutex::new(
-                        Block::restore(disk, s)
-                            .map_err(|source| DeviceError::Block { serial, source })?,
-                    )))
-                }
-                VirtioKindState::Net(s) => {
-                    if manager.network.is_some() {
-                        return Err(DeviceError::BadState {
-                            device: "virtio-net",
-                            reason: "the snapshot has two NICs; mayfly gives a VM one".into(),
-                        });
-                    }
-                    let policy = match &targets.net.policy {
-                        Some(policy) => policy.clone(),
-                        None => net::saved_policy(&s.policy)?,
-                    };
-                    let mac = (!targets.net.new_mac).then_some(s.mac);
-                    let mut network = net::attach(&targets.net.settings, &policy, mac)?;
-                    let tap = network.take_tap().ok_or(DeviceError::BadState {
-                        device: "virtio-net",
-                        reason: "the network came without its tap".into(),
-                    })?;
-                    let device = Net::restore_with_mac(s, tap, network.guest().mac)?;
-                    manager.network = Some(network);
-                    manager.net_settings = Some(targets.net.settings.clone());
-                    Concrete::Net(Arc::new(Mutex::new(device)))
-                }
-                #[allow(unreachable_patterns)]
-                _ => {
-                    return Err(DeviceError::BadState {
-                        device: "virtio",
-                        reason: "this mayfly does not know the device yet: restore with the mayfly that took the snapshot".into(),
-                    })
-                }
-            };
-            manager.add_virtio(wiring, saved.resources, concrete, Some(&saved.transport))?;
+            let made = virtio::restore(&saved.device, targets, &mut manager.network)?;
+            if matches!(made.role, Role::Net) {
+                manager.net_settings = Some(targets.net.settings.clone());
+            }
+            manager.add_virtio(wiring, saved.resources, made, Some(&saved.transport))?;
         }
         if let (Some(policy), None) = (&targets.net.policy, &manager.network) {
             return Err(NetSetupError::NoNic(policy.to_string()).into());
@@ -425,7 +228,7 @@ impl DeviceManager {
             .register_irqfd(&irq, COM1_IRQ)
             .map_err(DeviceError::Irqfd)?;
         let serial = match serial_state {
-            Some(state) => SerialConsole::from_state(state, irq, console_out)?,
+            Some(state) => SerialConsole::restore((irq, console_out), state)?,
             None => SerialConsole::new(irq, console_out),
         };
         let serial = Arc::new(Mutex::new(serial));
@@ -477,15 +280,17 @@ impl DeviceManager {
         &mut self,
         wiring: &Wiring<'_>,
         resources: DeviceResources,
-        concrete: Concrete,
+        made: Made,
         saved: Option<&MmioTransportState>,
     ) -> Result<(), DeviceError> {
-        let (device, name): (Arc<Mutex<dyn VirtioDevice>>, &str) = match &concrete {
-            Concrete::Rng(d) => (d.clone(), "virtio-rng"),
-            Concrete::Vsock(d) => (d.clone(), "virtio-vsock"),
-            Concrete::Block(d) => (d.clone(), "virtio-blk"),
-            Concrete::Net(d) => (d.clone(), "virtio-net"),
-        };
+        let Made {
+            device,
+            transport_side,
+            thread_side,
+            role,
+            filter,
+        } = made;
+        let name = lock(&device).name();
         let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(DeviceError::EventFd)?;
         wiring
             .vm
@@ -506,12 +311,14 @@ impl DeviceManager {
         }
         let interrupt = Arc::new(Interrupt::new(irqfd));
         let transport = match saved {
-            None => MmioTransport::new(device, wiring.mem.clone(), interrupt),
-            Some(state) => MmioTransport::restore(device, wiring.mem.clone(), interrupt, state)
-                .map_err(|reason| DeviceError::BadState {
-                    device: name,
-                    reason,
-                })?,
+            None => MmioTransport::new(transport_side, wiring.mem.clone(), interrupt),
+            Some(state) => {
+                MmioTransport::restore((transport_side, wiring.mem.clone(), interrupt), state)
+                    .map_err(|reason| DeviceError::BadState {
+                        device: name,
+                        reason,
+                    })?
+            }
         };
         let transport = Arc::new(Mutex::new(transport));
         // The MMIO bus is shared with the vCPU threads, which are not running yet: it is
@@ -521,44 +328,15 @@ impl DeviceManager {
             .insert(resources.mmio_base, resources.mmio_size, transport.clone())?;
         // A restored device waits at its gate until the vCPUs are restored (see
         // DeviceManager::raise_pending_interrupts): what it does first may raise an interrupt.
-        let device: Arc<Mutex<dyn MutEventSubscriber + Send>> = match &concrete {
-            Concrete::Rng(d) => d.clone(),
-            Concrete::Vsock(d) => d.clone(),
-            Concrete::Block(d) => d.clone(),
-            Concrete::Net(d) => d.clone(),
-        };
         let stack = mayfly_sys::HELPER_THREAD_STACK;
-        let kind = match &concrete {
-            Concrete::Rng(_) | Concrete::Net(_) => ThreadKind::Device,
-            Concrete::Vsock(_) => ThreadKind::VsockDevice,
-            Concrete::Block(_) => ThreadKind::BlockDevice,
-        };
-        let filter = Box::new(move || mayfly_jail::seccomp::install_or_exit(kind));
-        let thread = DeviceThread::spawn_with(name, device, stack, saved.is_some(), filter)
+        let filter = Box::new(move || mayfly_jail::seccomp::install_or_exit(filter));
+        let thread = DeviceThread::spawn_with(name, thread_side, stack, saved.is_some(), filter)
             .map_err(DeviceError::Thread)?;
-        let summary = match &concrete {
-            Concrete::Rng(_) => Summary::Rng,
-            Concrete::Vsock(d) => {
-                let d = lock(d);
-                Summary::Vsock {
-                    path: d.path().map(PathBuf::from),
-                    cid: d.guest_cid(),
-                }
-            }
-            Concrete::Block(d) => {
-                let d = lock(d);
-                Summary::Block {
-                    serial: d.save().serial,
-                    read_only: d.disk().is_read_only(),
-                }
-            }
-            Concrete::Net(_) => Summary::Net,
-        };
         self.virtio.push(VirtioSlot {
             resources,
-            summary,
+            role,
             transport,
-            concrete,
+            device,
             thread,
         });
         Ok(())
@@ -619,25 +397,24 @@ impl DeviceManager {
     /// Every device's state; the devices must be paused.
     pub fn save(&self) -> DevicesState {
         DevicesState {
-            serial: lock(&self.serial).state(),
+            serial: lock(&self.serial).save(),
             virtio: self
                 .virtio
                 .iter()
-                .map(|slot| VirtioDeviceState {
-                    resources: slot.resources,
-                    transport: lock(&slot.transport).state(),
-                    device: match &slot.concrete {
-                        Concrete::Rng(d) => VirtioKindState::Rng(lock(d).save()),
-                        Concrete::Vsock(d) => VirtioKindState::Vsock(lock(d).save()),
-                        Concrete::Block(d) => VirtioKindState::Block(lock(d).save()),
-                        Concrete::Net(d) => {
-                            let mut state = lock(d).save();
-                            if let Some(network) = &self.network {
-                                state.policy = network.policy().to_string();
-                            }
-                            VirtioKindState::Net(state)
-                        }
-                    },
+                .map(|slot| {
+                    let mut device = lock(&slot.device).save_kind();
+                    // The NIC's egress policy is not the device's business, but part of what
+                    // the NIC is: a restore and every clone keep it.
+                    if let (VirtioKindState::Net(state), Some(network)) =
+                        (&mut device, &self.network)
+                    {
+                        state.policy = network.policy().to_string();
+                    }
+                    VirtioDeviceState {
+                        resources: slot.resources,
+                        transport: lock(&slot.transport).save(),
+                        device,
+                    }
                 })
                 .collect(),
         }
@@ -648,8 +425,11 @@ impl DeviceManager {
     /// empty top in its disk directory. Metadata only.
     pub fn freeze_disks(&self) -> Result<(), DeviceError> {
         for slot in &self.virtio {
-            let (Concrete::Block(d), Summary::Block { serial, read_only }) =
-                (&slot.concrete, &slot.summary)
+            let Role::Block {
+                serial,
+                read_only,
+                device: d,
+            } = &slot.role
             else {
                 continue;
             };
@@ -673,8 +453,8 @@ impl DeviceManager {
     pub fn has_writable_disks(&self) -> bool {
         self.virtio.iter().any(|s| {
             matches!(
-                s.summary,
-                Summary::Block {
+                s.role,
+                Role::Block {
                     read_only: false,
                     ..
                 }
@@ -684,8 +464,8 @@ impl DeviceManager {
 
     /// The vsock device's host socket and guest CID, if the VM has one.
     pub fn vsock(&self) -> Option<(Option<PathBuf>, u64)> {
-        self.virtio.iter().find_map(|slot| match &slot.summary {
-            Summary::Vsock { path, cid } => Some((path.clone(), *cid)),
+        self.virtio.iter().find_map(|slot| match &slot.role {
+            Role::Vsock { path, cid } => Some((path.clone(), *cid)),
             _ => None,
         })
     }
@@ -740,30 +520,17 @@ impl DeviceManager {
         self.virtio
             .iter()
             .map(|slot| {
-                let kind = match (&slot.concrete, &slot.summary) {
-                    (Concrete::Vsock(d), Summary::Vsock { cid, .. }) => match try_lock_briefly(d) {
-                        Some(d) => format!(
-                            "vsock cid {cid} ({} connections, {:?})",
-                            d.connections(),
-                            d.counters()
-                        ),
-                        None => format!("vsock cid {cid} (BUSY: its thread holds it, stuck?)"),
+                let label = slot.role.label();
+                let kind = match try_lock_briefly(&slot.device) {
+                    Some(d) => match d.describe() {
+                        Some(detail) => format!("{label} ({detail})"),
+                        None => label,
                     },
-                    (Concrete::Block(d), Summary::Block { serial, .. }) => {
-                        match try_lock_briefly(d) {
-                            Some(d) => format!("block {serial} ({:?})", d.counters()),
-                            None => format!("block {serial} (BUSY: its thread holds it, stuck?)"),
-                        }
-                    }
-                    (Concrete::Net(d), _) => match try_lock_briefly(d) {
-                        Some(d) => format!("net {} ({:?})", net::mac_text(d.mac()), d.counters()),
-                        None => "net (BUSY: its thread holds it, stuck?)".to_string(),
-                    },
-                    _ => "rng".to_string(),
+                    None => format!("{label} (BUSY: its thread holds it, stuck?)"),
                 };
                 let transport = match try_lock_briefly(&slot.transport) {
                     Some(t) => {
-                        let state = t.state();
+                        let state = t.save();
                         format!(
                             "status {:#x} interrupt {:#x}",
                             state.status, state.interrupt_status

@@ -4,7 +4,10 @@
 //! ([`net`]: the VM's namespace, tap and egress policy). The devices themselves are the
 //! `mayfly-devices` crate.
 
+pub mod config;
 pub mod console;
 pub mod disks;
+pub mod error;
 pub mod manager;
 pub mod net;
+pub mod virtio;

@@ -49,6 +49,8 @@ use std::time::{Duration, Instant};
 
 use userfaultfd::{Event, EventBuffer, FeatureFlags, IoctlFlags, Uffd, UffdBuilder};
 
+use crate::memory::ram::HostRegion;
+
 /// The host page size (x86-64): the unit userfaultfd maps in.
 const PAGE: usize = 4096;
 
@@ -65,18 +67,6 @@ const EVENT_BATCH: usize = 64;
 /// in flight) before it gives up. Each change completes within microseconds once its event is
 /// read, so reaching this means something is badly wrong.
 const EAGAIN_LIMIT: Duration = Duration::from_secs(5);
-
-/// One guest RAM region: where it is mapped in this process and where its bytes sit in the
-/// memory file.
-#[derive(Clone, Copy, Debug)]
-pub struct LazyRegion {
-    /// Start of the mapping (page aligned), private anonymous memory.
-    pub host_addr: *mut u8,
-    /// Length in bytes (a multiple of 4 KiB).
-    pub len: usize,
-    /// Where the region's first byte sits in the memory file.
-    pub file_offset: u64,
-}
 
 /// How to load guest memory.
 #[derive(Clone, Debug)]
@@ -157,7 +147,7 @@ pub enum LazyError {
 /// handler fills them with the file's bytes when they are first touched.
 pub unsafe fn start(
     file: File,
-    regions: &[LazyRegion],
+    regions: &[HostRegion],
     options: LazyOptions,
     on_failure: Box<dyn FnOnce(String) + Send>,
 ) -> Result<LazyMemory, LazyError> {
@@ -182,7 +172,7 @@ enum ReadMode {
 /// As for [`start`].
 unsafe fn start_with(
     file: File,
-    regions: &[LazyRegion],
+    regions: &[HostRegion],
     options: LazyOptions,
     on_failure: Box<dyn FnOnce(String) + Send>,
     mode: ReadMode,
@@ -472,7 +462,7 @@ struct Layout {
 }
 
 impl Layout {
-    fn new(regions: &[LazyRegion], block_size: usize) -> Result<Self, LazyError> {
+    fn new(regions: &[HostRegion], block_size: usize) -> Result<Self, LazyError> {
         let bad = |what: String| Err(LazyError::Region(what));
         if regions.is_empty() {
             return bad("there are no regions".into());
@@ -1228,8 +1218,8 @@ mod tests {
             }
         }
 
-        fn region(&self, file_offset: u64) -> LazyRegion {
-            LazyRegion {
+        fn region(&self, file_offset: u64) -> HostRegion {
+            HostRegion {
                 host_addr: self.addr as *mut u8,
                 len: self.len,
                 file_offset,
@@ -1699,7 +1689,7 @@ mod tests {
         let ram = sample_ram();
         let temp = TempFile::new("bad");
         temp.create();
-        let start = |regions: &[LazyRegion], block_size| {
+        let start = |regions: &[HostRegion], block_size| {
             // SAFETY: only invalid input, which `start` rejects before registering anything.
             unsafe { super::start(temp.open(), regions, options(block_size), Box::new(|_| {})) }
         };
@@ -1707,11 +1697,11 @@ mod tests {
         for bs in [0, 1000, 2048, 3 * PAGE, 2 << 30] {
             assert!(matches!(start(&[good], bs), Err(LazyError::BlockSize(_))));
         }
-        let unaligned = LazyRegion {
+        let unaligned = HostRegion {
             host_addr: (ram.0.addr + 1) as *mut u8,
             ..good
         };
-        let overlapping = LazyRegion {
+        let overlapping = HostRegion {
             host_addr: (ram.0.addr + PAGE) as *mut u8,
             len: PAGE,
             ..good

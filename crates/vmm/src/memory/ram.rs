@@ -20,7 +20,9 @@ use std::os::unix::fs::FileExt;
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap};
 
-use crate::arch::layout::{ram_ranges, RamRange};
+use mayfly_snapshot::MemoryRange;
+
+use crate::arch::layout::ram_ranges;
 use crate::memory::chain::ChainLayer;
 
 /// The guest's physical memory as the VMM sees it.
@@ -125,7 +127,7 @@ impl RamKind {
 /// Guest RAM and the file behind it.
 pub struct GuestRam {
     pub memory: GuestMemory,
-    pub ranges: Vec<RamRange>,
+    pub ranges: Vec<MemoryRange>,
     /// Where a page this process has not mapped comes from: the memfd itself, or the snapshot's
     /// memory file.
     pub backing: File,
@@ -173,7 +175,7 @@ impl GuestRam {
     }
 
     /// A snapshot's memory, mapped copy-on-write.
-    pub fn copy_on_write(file: File, ranges: &[RamRange]) -> Result<Self, MemoryError> {
+    pub fn copy_on_write(file: File, ranges: &[MemoryRange]) -> Result<Self, MemoryError> {
         Self::map(file, ranges, RamKind::CopyOnWrite)
     }
 
@@ -181,7 +183,7 @@ impl GuestRam {
     /// bottom over all of RAM, each later layer's extents over it.
     pub fn copy_on_write_chain(
         chain: Vec<ChainLayer>,
-        ranges: &[RamRange],
+        ranges: &[MemoryRange],
     ) -> Result<Self, MemoryError> {
         let bottom = chain
             .first()
@@ -227,7 +229,7 @@ impl GuestRam {
 
     /// A snapshot's chain of memory files copied into a fresh memfd: the bottom's data, then
     /// each later layer's extents over it (holes in them punched).
-    pub fn eager_chain(chain: &[ChainLayer], ranges: &[RamRange]) -> Result<Self, MemoryError> {
+    pub fn eager_chain(chain: &[ChainLayer], ranges: &[MemoryRange]) -> Result<Self, MemoryError> {
         let bottom = chain
             .first()
             .ok_or_else(|| MemoryError::Layout("an empty memory chain".into()))?;
@@ -246,12 +248,12 @@ impl GuestRam {
     }
 
     /// Anonymous memory to be filled from `file` by a userfaultfd handler.
-    pub fn lazy(file: File, ranges: &[RamRange]) -> Result<Self, MemoryError> {
+    pub fn lazy(file: File, ranges: &[MemoryRange]) -> Result<Self, MemoryError> {
         Self::map(file, ranges, RamKind::Lazy)
     }
 
     /// A snapshot's memory copied into a fresh memfd (only its data: holes stay holes).
-    pub fn eager(file: &File, ranges: &[RamRange]) -> Result<Self, MemoryError> {
+    pub fn eager(file: &File, ranges: &[MemoryRange]) -> Result<Self, MemoryError> {
         let total = ranges
             .iter()
             .map(|r| r.file_offset + r.size)
@@ -264,7 +266,7 @@ impl GuestRam {
         Self::map(mem, ranges, RamKind::Memfd)
     }
 
-    fn map(file: File, ranges: &[RamRange], kind: RamKind) -> Result<Self, MemoryError> {
+    fn map(file: File, ranges: &[MemoryRange], kind: RamKind) -> Result<Self, MemoryError> {
         let mut regions = Vec::with_capacity(ranges.len());
         for range in ranges {
             let map_err = |source| MemoryError::Map {

@@ -18,9 +18,9 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use mayfly_snapshot::{Header, MemoryRange, VmState, MEMORY_FILE, MEMORY_LAYERS_DIR, STATE_FILE};
+use mayfly_snapshot::{Header, VmState, MEMORY_FILE, MEMORY_LAYERS_DIR, STATE_FILE};
 
-use mayfly_devices::persist::VirtioKindState;
+use mayfly_devices::state::VirtioKindState;
 
 use crate::arch::kvm_state::{self, StateError};
 use crate::devices::disks::SNAPSHOT_DISKS;
@@ -283,16 +283,7 @@ pub fn capture_state(vm: &Machine) -> Result<VmState, SnapshotCreateError> {
         vcpu_count: vm.info.vcpu_count,
         mem_bytes: vm.ram.size(),
         cmdline: vm.info.cmdline.clone(),
-        memory: vm
-            .ram
-            .ranges
-            .iter()
-            .map(|r| MemoryRange {
-                guest_addr: r.guest_addr,
-                size: r.size,
-                file_offset: r.file_offset,
-            })
-            .collect(),
+        memory: vm.ram.ranges.clone(),
         vcpus,
         vm: kvm_state::save_vm(&vm.vm.fd)?,
         devices: vm.devices.save(),

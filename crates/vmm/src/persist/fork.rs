@@ -614,8 +614,9 @@ fn fork_paused(
     let state_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms;
     mayfly_sys::trace::event("fork_state_captured");
 
-    // MAYFLY_FORK_COPY: measure the alternative to handing the memory over (see above).
-    let (base, copied_bytes) = if std::env::var_os("MAYFLY_FORK_COPY").is_some() {
+    // fork_copy (MAYFLY_FORK_COPY): measure the alternative to handing the memory over (see
+    // above).
+    let (base, copied_bytes) = if crate::settings::get().fork_copy {
         vm.ram.copy_to_memfd(&state.snapshot_id)?
     } else {
         // A lazily restored VM's handler may still be loading pages: stop it before its

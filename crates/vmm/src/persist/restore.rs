@@ -26,16 +26,15 @@ use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
 use mayfly_snapshot::{SnapshotDir, VmState, MEMORY_FILE, STATE_FILE};
 
 use crate::arch::kvm_state::{self, KvmCaps, StateError};
-use crate::arch::layout::RamRange;
-use crate::guest::refresh::Refresh;
-use crate::runtime::Vmm;
 use crate::devices::console::{self, Console};
 use crate::devices::manager::{DeviceError, DeviceManager, RestoreTargets, Wiring};
 use crate::event::VmEvent;
+use crate::guest::refresh::Refresh;
 use crate::identity::{self, Identity, IdentityError};
 use crate::machine::{Machine, VmInfo};
-use crate::memory::lazy::{self, LazyOptions, LazyRegion};
+use crate::memory::lazy::{self, LazyOptions};
 use crate::memory::ram::{GuestRam, MemoryError};
+use crate::runtime::Vmm;
 use crate::vcpu::VcpuContext;
 use crate::vm::{self, kvm_err, Vm, VmError};
 use mayfly_sys::claim::SocketClaim;
@@ -312,15 +311,7 @@ pub fn check_state(state: &VmState, host_mib: u64) -> Result<(), RestoreError> {
     }
     crate::config::check_mem(state.mem_bytes >> 20, host_mib)
         .map_err(|e| RestoreError::Refused(e.to_string().replace("--mem-mib", "RAM of")))?;
-    let layout: Vec<mayfly_snapshot::MemoryRange> =
-        crate::arch::layout::ram_ranges(state.mem_bytes)
-            .iter()
-            .map(|r| mayfly_snapshot::MemoryRange {
-                guest_addr: r.guest_addr,
-                size: r.size,
-                file_offset: r.file_offset,
-            })
-            .collect();
+    let layout = crate::arch::layout::ram_ranges(state.mem_bytes);
     if state.memory != layout {
         return refuse(format!(
             "a memory layout mayfly does not make for {} MiB of RAM: {:?}",
@@ -629,19 +620,11 @@ fn finish(
 /// Map a loaded snapshot's guest RAM as `memory` asks.
 fn map_ram(snapshot: &mut LoadedSnapshot, memory: MemoryMode) -> Result<GuestRam, RestoreError> {
     let state = &snapshot.state;
-    let ranges: Vec<RamRange> = state
-        .memory
-        .iter()
-        .map(|r| RamRange {
-            guest_addr: r.guest_addr,
-            size: r.size,
-            file_offset: r.file_offset,
-        })
-        .collect();
+    let ranges = &state.memory;
     let diff = state.memory_extents.is_some();
     let memory_file = || snapshot.memory.try_clone().map_err(MemoryError::Memfd);
     Ok(match (memory, snapshot.chain.take()) {
-        (MemoryMode::Cow, Some(chain)) => GuestRam::copy_on_write_chain(chain, &ranges)?,
+        (MemoryMode::Cow, Some(chain)) => GuestRam::copy_on_write_chain(chain, ranges)?,
         (MemoryMode::Cow, None) => GuestRam::copy_on_write(memory_file()?, &ranges)?,
         (MemoryMode::Lazy { .. }, _) if diff => {
             return Err(RestoreError::MemoryLayers(
@@ -685,15 +668,7 @@ pub fn start(
     let lazy = match memory {
         MemoryMode::Lazy { prefetch } => {
             let file = ram.backing.try_clone().map_err(MemoryError::Memfd)?;
-            let regions: Vec<LazyRegion> = ram
-                .host_regions()
-                .iter()
-                .map(|r| LazyRegion {
-                    host_addr: r.host_addr,
-                    len: r.len,
-                    file_offset: r.file_offset,
-                })
-                .collect();
+            let regions = ram.host_regions();
             let options = LazyOptions {
                 prefetch: if prefetch {
                     state.working_set.clone()

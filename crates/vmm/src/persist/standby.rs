@@ -39,10 +39,10 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::runtime::Vmm;
 use crate::persist::restore::{
     self, Claims, Instance, MemoryMode, ReadyKvm, RestoreError, SnapshotSource,
 };
+use crate::runtime::Vmm;
 use mayfly_api::http::{self, Refusal};
 use mayfly_sys::trace;
 

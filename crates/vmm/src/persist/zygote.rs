@@ -757,18 +757,14 @@ fn run_follow(
     Ok(())
 }
 
-/// How many clones a fork has starting at once: four per host CPU (MAYFLY_FORK_IN_FLIGHT
-/// sets another number, to measure). Measured on this project's 2-CPU host with the probe
+/// How many clones a fork has starting at once: four per host CPU (the settings'
+/// `fork_in_flight`, from MAYFLY_FORK_IN_FLIGHT, sets another number, to measure). Measured on this project's 2-CPU host with the probe
 /// (benches/results/probe-fork-host.json): 10,000 clones ran in 51 s with 8 starting at once
 /// against 84 s with all of them at once, since clones that start all together compete with
 /// each other and with those already running; 2 at once was slower (1,000 clones: 1.57 s
 /// against 1.08 s with 4 or 8, 1.12 s unbounded).
 fn in_flight_limit() -> usize {
-    if let Some(n) = std::env::var("MAYFLY_FORK_IN_FLIGHT")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|&n| n > 0)
-    {
+    if let Some(n) = crate::settings::get().fork_in_flight.filter(|&n| n > 0) {
         return n;
     }
     std::thread::available_parallelism().map_or(8, |n| n.get().saturating_mul(4))
@@ -1096,10 +1092,6 @@ pub fn serve(state_fd: RawFd, memory_fd: RawFd, socket_fd: RawFd, clone_main: Cl
         Ok(source) => source,
         Err(err) => return unusable(err.to_string()),
     };
-    // MAYFLY_TRACE=1 in the forking VMM's environment: every clone prints its phases.
-    if std::env::var_os("MAYFLY_TRACE").is_some() {
-        mayfly_sys::trace::enable();
-    }
     mayfly_sys::trace::event("zygote_started");
     let prepared = match restore::prepare(source, MemoryMode::Cow, None, restore::Probe::Inline) {
         Ok(prepared) => prepared,

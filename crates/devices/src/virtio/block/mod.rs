@@ -32,9 +32,10 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::{drain, ActivateError, GuestMemory, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::disk::{Chain, Disk, DiskError, DiskIdentity, LayerInfo};
+use crate::persist::Persist;
 pub use request::BlockCounters;
-pub use spec::*;
 use request::Engine;
+pub use spec::*;
 
 /// The block device's own state in a snapshot (its queue is the transport's to save).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -129,43 +130,6 @@ impl Block {
             features,
             config,
         })
-    }
-
-    pub fn save(&self) -> BlockState {
-        let serial = &self.engine.serial;
-        let len = serial.iter().position(|&b| b == 0).unwrap_or(SERIAL_LEN);
-        BlockState {
-            acked_features: self.engine.acked_features,
-            serial: String::from_utf8_lossy(&serial[..len]).into_owned(),
-            read_only: self.engine.disk.is_read_only(),
-            disk: self.engine.disk.identity(),
-            chain: self.engine.disk.saved_chain(),
-        }
-    }
-
-    /// The device again, over `disk` (reopened by the VMM from the files the snapshot
-    /// recorded): it must read as the disk the state was saved with, opened the same way.
-    pub fn restore(disk: Disk, state: &BlockState) -> Result<Self, BlockError> {
-        let found = disk.identity();
-        if !state.disk.same_content(&found) {
-            return Err(BlockError::WrongDisk {
-                saved: describe(&state.disk),
-                found: describe(&found),
-            });
-        }
-        let mode = |ro: bool| if ro { "read-only" } else { "writable" };
-        if state.read_only != disk.is_read_only() {
-            return Err(BlockError::ReadOnlyMismatch {
-                saved: mode(state.read_only),
-                opened: mode(disk.is_read_only()),
-            });
-        }
-        let mut block = Self::new(disk, &state.serial)?;
-        if state.acked_features & !block.features != 0 {
-            return Err(BlockError::Features(state.acked_features & !block.features));
-        }
-        block.engine.acked_features = state.acked_features;
-        Ok(block)
     }
 
     pub fn disk(&self) -> &Disk {
@@ -280,7 +244,58 @@ fn config_space(size: u64) -> [u8; CONFIG_LEN] {
     c
 }
 
+impl Persist for Block {
+    type State = BlockState;
+    type ConstructorArgs = Disk;
+    type Error = BlockError;
+
+    fn save(&self) -> BlockState {
+        let serial = &self.engine.serial;
+        let len = serial.iter().position(|&b| b == 0).unwrap_or(SERIAL_LEN);
+        BlockState {
+            acked_features: self.engine.acked_features,
+            serial: String::from_utf8_lossy(&serial[..len]).into_owned(),
+            read_only: self.engine.disk.is_read_only(),
+            disk: self.engine.disk.identity(),
+            chain: self.engine.disk.saved_chain(),
+        }
+    }
+
+    /// The device again, over `disk` (reopened by the VMM from the files the snapshot
+    /// recorded): it must read as the disk the state was saved with, opened the same way.
+    fn restore(disk: Disk, state: &BlockState) -> Result<Self, BlockError> {
+        let found = disk.identity();
+        if !state.disk.same_content(&found) {
+            return Err(BlockError::WrongDisk {
+                saved: describe(&state.disk),
+                found: describe(&found),
+            });
+        }
+        let mode = |ro: bool| if ro { "read-only" } else { "writable" };
+        if state.read_only != disk.is_read_only() {
+            return Err(BlockError::ReadOnlyMismatch {
+                saved: mode(state.read_only),
+                opened: mode(disk.is_read_only()),
+            });
+        }
+        let mut block = Self::new(disk, &state.serial)?;
+        if state.acked_features & !block.features != 0 {
+            return Err(BlockError::Features(state.acked_features & !block.features));
+        }
+        block.engine.acked_features = state.acked_features;
+        Ok(block)
+    }
+}
+
 impl VirtioDevice for Block {
+    fn name(&self) -> &'static str {
+        "virtio-blk"
+    }
+
+    fn describe(&self) -> Option<String> {
+        Some(format!("{:?}", self.counters()))
+    }
+
     fn device_type(&self) -> u32 {
         VIRTIO_ID_BLOCK
     }

@@ -1044,3 +1044,22 @@ fn rings_laid_over_each_other_end_the_pass() {
     pass.recv_timeout(std::time::Duration::from_secs(10))
         .expect("the pass over overlapping rings ended");
 }
+
+#[test]
+fn keeps_the_device_contract() {
+    // A read-only disk: the device restored over the same files reads as the one saved.
+    let dir = TempDir::new("blk-contract");
+    let base = make_base(&dir, DISK_BLOCKS * BS);
+    let open = || {
+        Disk::open(
+            &Chain {
+                base: base.clone(),
+                base_identity: BASE_ID.into(),
+                layers: vec![],
+            },
+            true,
+        )
+        .unwrap()
+    };
+    crate::virtio::contract::check(|| Block::new(open(), "mayfly-disk-0").unwrap(), open);
+}

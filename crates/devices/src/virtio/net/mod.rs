@@ -59,6 +59,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{complete, drain, ActivateError, GuestMemory, Interrupt, VirtioDevice};
+use crate::persist::Persist;
 pub use error::NetError;
 pub use spec::{MacAddr, VNET_HDR_LEN};
 use tap::Backend;
@@ -117,7 +118,6 @@ pub const NET_FEATURES: u64 = super::VIRTIO_F_VERSION_1
     | bit(VIRTIO_NET_F_HOST_TSO6)
     | bit(VIRTIO_NET_F_CTRL_VQ)
     | bit(VIRTIO_NET_F_GUEST_ANNOUNCE);
-
 
 /// The device's own state in a snapshot (its queues are the transport's).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -263,45 +263,6 @@ impl Net {
             rx_used: Vec::with_capacity(usize::from(QUEUE_SIZE)),
             counters: Counters::default(),
         })
-    }
-
-    pub fn save(&self) -> NetState {
-        let status = match self.link.load(Ordering::SeqCst) {
-            LINK_DOWN => 0,
-            _ => S_LINK_UP,
-        };
-        NetState {
-            mac: self.mac,
-            acked_features: self.acked_features,
-            status,
-            policy: String::new(),
-        }
-    }
-
-    /// A device from a snapshot over a new `tap` (a clone's own). The saved MAC is kept: the
-    /// guest learnt it before the snapshot and does not read it again. Once running, the
-    /// device flaps the guest's link (see the module docs) so it re-learns its neighbours.
-    pub fn restore(state: &NetState, tap: OwnedFd) -> Result<Self, NetError> {
-        let net = Self::new(tap, state.mac)?;
-        net.restored(state)
-    }
-
-    /// [`Net::restore`] for a clone with a MAC of its own: the config space says `mac` (what a
-    /// later snapshot saves), while the guest keeps the MAC it learnt until told otherwise
-    /// (mayfly's agent sets the new one at the clone's refresh).
-    pub fn restore_with_mac(
-        state: &NetState,
-        tap: OwnedFd,
-        mac: MacAddr,
-    ) -> Result<Self, NetError> {
-        let net = Self::new(tap, mac)?;
-        net.restored(state)
-    }
-
-    /// [`Net::restore`] over a socket backend (see [`Net::with_socket`]).
-    pub fn restore_with_socket(state: &NetState, socket: OwnedFd) -> Result<Self, NetError> {
-        let net = Self::with_socket(socket, state.mac)?;
-        net.restored(state)
     }
 
     fn restored(mut self, state: &NetState) -> Result<Self, NetError> {
@@ -910,7 +871,71 @@ fn gather_tx(
     Ok(total)
 }
 
+/// What a NIC's frames go through on the host.
+pub enum NetBackend {
+    /// A tap (opened with IFF_TAP | IFF_NO_PI | IFF_VNET_HDR): a VM's own, or a clone's.
+    Tap(OwnedFd),
+    /// A `SOCK_SEQPACKET` or `SOCK_DGRAM` socket (see [`Net::with_socket`]).
+    Socket(OwnedFd),
+}
+
+/// What restoring a NIC needs besides its state: its backend, and the MAC its config space
+/// says (a clone's own; none keeps the saved one).
+pub struct NetArgs {
+    pub backend: NetBackend,
+    pub mac: Option<MacAddr>,
+}
+
+impl Persist for Net {
+    type State = NetState;
+    type ConstructorArgs = NetArgs;
+    type Error = NetError;
+
+    fn save(&self) -> NetState {
+        let status = match self.link.load(Ordering::SeqCst) {
+            LINK_DOWN => 0,
+            _ => S_LINK_UP,
+        };
+        NetState {
+            mac: self.mac,
+            acked_features: self.acked_features,
+            status,
+            policy: String::new(),
+        }
+    }
+
+    /// A device from a snapshot over a new backend (a clone's own tap). The saved MAC is kept
+    /// unless `args.mac` names another: for a clone with a MAC of its own, the config space
+    /// says it (what a later snapshot saves), while the guest keeps the MAC it learnt until
+    /// told otherwise (mayfly's agent sets the new one at the clone's refresh). Once running,
+    /// the device flaps the guest's link (see the module docs) so it re-learns its neighbours.
+    fn restore(args: NetArgs, state: &NetState) -> Result<Self, NetError> {
+        let mac = args.mac.unwrap_or(state.mac);
+        let net = match args.backend {
+            NetBackend::Tap(tap) => Self::new(tap, mac)?,
+            NetBackend::Socket(socket) => Self::with_socket(socket, mac)?,
+        };
+        net.restored(state)
+    }
+}
+
 impl VirtioDevice for Net {
+    fn name(&self) -> &'static str {
+        "virtio-net"
+    }
+
+    fn describe(&self) -> Option<String> {
+        Some(format!(
+            "{} {:?}",
+            self.mac
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<Vec<_>>()
+                .join(":"),
+            self.counters
+        ))
+    }
+
     fn device_type(&self) -> u32 {
         VIRTIO_ID_NET
     }

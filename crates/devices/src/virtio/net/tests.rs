@@ -750,7 +750,14 @@ fn a_restored_device_asks_its_guest_to_announce_itself() {
     net.ack_features(NET_FEATURES);
     let state = net.save();
     let (ours, _peer) = seqpacket_pair();
-    let restored = Net::restore_with_socket(&state, ours).unwrap();
+    let restored = Net::restore(
+        NetArgs {
+            backend: NetBackend::Socket(ours),
+            mac: None,
+        },
+        &state,
+    )
+    .unwrap();
     let guest = Guest::new(&mem);
     let mut dev = Dev::start(restored, state.acked_features, &mem, &guest);
     dev.turn();
@@ -804,7 +811,14 @@ fn without_guest_announce_a_restored_device_flaps_its_link() {
     let state: NetState = serde_json::from_str(&json).unwrap();
 
     let (ours, peer) = seqpacket_pair();
-    let restored = Net::restore_with_socket(&state, ours).unwrap();
+    let restored = Net::restore(
+        NetArgs {
+            backend: NetBackend::Socket(ours),
+            mac: None,
+        },
+        &state,
+    )
+    .unwrap();
     assert_eq!(restored.mac(), MAC);
     assert_eq!(restored.save(), state);
     let mut guest = Guest::new(&mem);
@@ -1053,5 +1067,16 @@ fn bench_net_device_throughput() {
         "{{\"frame_bytes\": {size}, \"frames\": {rounds}, \"tx_gbit_s\": {:.2}, \"rx_gbit_s\": {:.2}, \"sent\": {sent}}}",
         gbit(tx),
         gbit(rx)
+    );
+}
+
+#[test]
+fn keeps_the_device_contract() {
+    crate::virtio::contract::check(
+        || Net::with_socket(seqpacket_pair().0, MAC).unwrap(),
+        || NetArgs {
+            backend: NetBackend::Socket(seqpacket_pair().0),
+            mac: None,
+        },
     );
 }

@@ -41,6 +41,7 @@ use vmm_sys_util::timerfd::TimerFd;
 use packet::*;
 
 use super::{drain, ActivateError, GuestMemory, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
+use crate::persist::Persist;
 
 /// `VIRTIO_ID_VSOCK`.
 pub const VIRTIO_ID_VSOCK: u32 = 19;
@@ -297,27 +298,6 @@ impl Vsock {
             }),
             counters: Counters::default(),
         })
-    }
-
-    pub fn save(&self) -> VsockState {
-        VsockState {
-            guest_cid: self.guest_cid,
-            acked_features: self.acked_features,
-            next_local_port: self.next_local_port,
-        }
-    }
-
-    /// A device from a snapshot, listening at `path`, with guest CID `guest_cid` (a clone's
-    /// own, or the saved one). It has no connections and resets the guest's when it runs.
-    pub fn restore(
-        state: &VsockState,
-        guest_cid: u64,
-        path: Option<&Path>,
-    ) -> Result<Self, VsockError> {
-        let mut vsock = Self::build(guest_cid, path, state.next_local_port)?;
-        vsock.acked_features = state.acked_features;
-        vsock.reset_pending = true;
-        Ok(vsock)
     }
 
     pub fn guest_cid(&self) -> u64 {
@@ -1027,7 +1007,50 @@ fn parse_connect_line(line: &[u8]) -> Option<u32> {
     port.parse().ok()
 }
 
+/// What restoring a vsock device needs besides its state: the guest CID it gets (a clone's
+/// own, or the saved one) and its host socket on this host.
+#[derive(Clone, Debug)]
+pub struct VsockArgs {
+    pub guest_cid: u64,
+    pub path: Option<PathBuf>,
+}
+
+impl Persist for Vsock {
+    type State = VsockState;
+    type ConstructorArgs = VsockArgs;
+    type Error = VsockError;
+
+    fn save(&self) -> VsockState {
+        VsockState {
+            guest_cid: self.guest_cid,
+            acked_features: self.acked_features,
+            next_local_port: self.next_local_port,
+        }
+    }
+
+    /// A device from a snapshot, listening at `args.path`, with guest CID `args.guest_cid`.
+    /// It has no connections and resets the guest's when it runs.
+    fn restore(args: VsockArgs, state: &VsockState) -> Result<Self, VsockError> {
+        let mut vsock = Self::build(args.guest_cid, args.path.as_deref(), state.next_local_port)?;
+        vsock.acked_features = state.acked_features;
+        vsock.reset_pending = true;
+        Ok(vsock)
+    }
+}
+
 impl VirtioDevice for Vsock {
+    fn name(&self) -> &'static str {
+        "virtio-vsock"
+    }
+
+    fn describe(&self) -> Option<String> {
+        Some(format!(
+            "{} connections, {:?}",
+            self.connections(),
+            self.counters()
+        ))
+    }
+
     fn device_type(&self) -> u32 {
         VIRTIO_ID_VSOCK
     }

@@ -506,7 +506,14 @@ fn a_restored_device_resets_the_guest_first_and_holds_new_connections_until_it_h
         acked_features: VIRTIO_F_VERSION_1,
         next_local_port: FIRST_LOCAL_PORT + 500,
     };
-    let vsock = Vsock::restore(&state, GUEST_CID, Some(&rig.path)).unwrap();
+    let vsock = Vsock::restore(
+        VsockArgs {
+            guest_cid: GUEST_CID,
+            path: Some(rig.path.clone()),
+        },
+        &state,
+    )
+    .unwrap();
     let mut dev = Dev::start(vsock, &rig.mem, &guest);
     dev.turn();
     assert!(guest.events().is_empty(), "no event buffer posted yet");
@@ -563,7 +570,14 @@ fn the_hold_ends_when_the_guest_posts_after_the_reset_not_at_any_kick() {
         acked_features: VIRTIO_F_VERSION_1,
         next_local_port: FIRST_LOCAL_PORT,
     };
-    let vsock = Vsock::restore(&state, GUEST_CID, Some(&rig.path)).unwrap();
+    let vsock = Vsock::restore(
+        VsockArgs {
+            guest_cid: GUEST_CID,
+            path: Some(rig.path.clone()),
+        },
+        &state,
+    )
+    .unwrap();
     let mut dev = Dev::start(vsock, &rig.mem, &guest);
     dev.kick(EVT);
     dev.until("the reset", |d| {
@@ -675,5 +689,16 @@ fn a_tx_used_ring_over_its_avail_ring_does_not_spin() {
     assert!(
         bad <= u64::from(QUEUE_SIZE),
         "at most a queue's worth per pass: {bad}"
+    );
+}
+
+#[test]
+fn keeps_the_device_contract() {
+    crate::virtio::contract::check(
+        || Vsock::new(GUEST_CID, None).unwrap(),
+        || VsockArgs {
+            guest_cid: GUEST_CID,
+            path: None,
+        },
     );
 }
