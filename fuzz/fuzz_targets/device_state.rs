@@ -18,9 +18,10 @@ use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
 use input::Input;
 use libfuzzer_sys::fuzz_target;
 use mayfly_devices::bus::BusDevice;
+use mayfly_devices::persist::Persist;
 use mayfly_devices::virtio::mmio::{MmioTransport, MmioTransportState};
 use mayfly_devices::virtio::rng::{Rng, RngState};
-use mayfly_devices::virtio::vsock::{Vsock, VsockState};
+use mayfly_devices::virtio::vsock::{Vsock, VsockArgs, VsockState};
 use mayfly_devices::virtio::{GuestMemory, Interrupt, QueueSnapshot, VirtioDevice};
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -78,7 +79,7 @@ fn drive<D: VirtioDevice + MutEventSubscriber + 'static>(device: D, input: &mut 
         EventFd::new(EFD_NONBLOCK).expect("an eventfd"),
     ));
     let dyn_device: Arc<Mutex<dyn VirtioDevice>> = device.clone();
-    let Ok(mut transport) = MmioTransport::restore(dyn_device, mem.clone(), interrupt, &state)
+    let Ok(mut transport) = MmioTransport::restore((dyn_device, mem.clone(), interrupt), &state)
     else {
         return;
     };
@@ -104,7 +105,7 @@ fn drive<D: VirtioDevice + MutEventSubscriber + 'static>(device: D, input: &mut 
             }
         }
     }
-    let _ = transport.state();
+    let _ = transport.save();
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -114,7 +115,7 @@ fuzz_target!(|data: &[u8]| {
             let state = RngState {
                 acked_features: input.u64(),
             };
-            if let Ok(rng) = Rng::restore(&state) {
+            if let Ok(rng) = Rng::restore((), &state) {
                 drive(rng, &mut input);
             }
         }
@@ -124,7 +125,13 @@ fuzz_target!(|data: &[u8]| {
                 acked_features: input.u64(),
                 next_local_port: input.u32(),
             };
-            if let Ok(vsock) = Vsock::restore(&state, 3, None) {
+            if let Ok(vsock) = Vsock::restore(
+                VsockArgs {
+                    guest_cid: 3,
+                    path: None,
+                },
+                &state,
+            ) {
                 drive(vsock, &mut input);
             }
         }

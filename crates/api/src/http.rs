@@ -1,7 +1,9 @@
 //! Just enough HTTP/1.1 for the control socket: read one request under size and time limits,
 //! encode one response and, for the client, read one response; a chunked response body for
 //! answers that stream, and a request body read as it streams in. No keep-alive and no chunked
-//! request bodies: every response closes its connection.
+//! request bodies: every response closes its connection. Heads (request and status lines,
+//! headers) are parsed by httparse; what is mayfly's own is the I/O around it: every read under
+//! an idle timeout and a deadline, and the limits on what a peer may make it hold.
 
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -36,6 +38,65 @@ pub enum ReadError {
 enum HeadError {
     TooLarge,
     Read(ReadError),
+    /// httparse refused it.
+    Invalid(httparse::Error),
+}
+
+/// Headers a message may have at most (more: 431, as for a head too large).
+const MAX_HEADERS: usize = 64;
+
+/// A request head, parsed (httparse) and copied out of the buffer.
+struct RequestHead {
+    method: String,
+    target: String,
+    minor: u8,
+    headers: Vec<(String, Vec<u8>)>,
+}
+
+fn parse_request_head(buf: &[u8]) -> Result<Option<(usize, RequestHead)>, httparse::Error> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut request = httparse::Request::new(&mut headers);
+    Ok(match request.parse(buf)? {
+        httparse::Status::Partial => None,
+        httparse::Status::Complete(end) => Some((
+            end,
+            RequestHead {
+                method: request.method.unwrap_or_default().to_owned(),
+                target: request.path.unwrap_or_default().to_owned(),
+                minor: request.version.unwrap_or(1),
+                headers: request
+                    .headers
+                    .iter()
+                    .map(|h| (h.name.to_owned(), h.value.trim_ascii().to_vec()))
+                    .collect(),
+            },
+        )),
+    })
+}
+
+/// A response head, parsed (httparse).
+struct ResponseHead {
+    status: u16,
+    headers: Vec<(String, Vec<u8>)>,
+}
+
+fn parse_response_head(buf: &[u8]) -> Result<Option<(usize, ResponseHead)>, httparse::Error> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut response = httparse::Response::new(&mut headers);
+    Ok(match response.parse(buf)? {
+        httparse::Status::Partial => None,
+        httparse::Status::Complete(end) => Some((
+            end,
+            ResponseHead {
+                status: response.code.unwrap_or(0),
+                headers: response
+                    .headers
+                    .iter()
+                    .map(|h| (h.name.to_owned(), h.value.trim_ascii().to_vec()))
+                    .collect(),
+            },
+        )),
+    })
 }
 
 /// Buffered reads from a stream, each bounded by an idle timeout and an overall deadline.
@@ -93,10 +154,14 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// Read up to and including the blank line that ends a message head, `max` bytes at most.
-    /// Returns the head; whatever followed it stays buffered. Blank lines before the head are
-    /// skipped, as RFC 9112 asks of servers.
-    fn read_head(&mut self, max: usize) -> Result<Vec<u8>, HeadError> {
+    /// Read a message head, `max` bytes at most, and parse it with `parse` (httparse), which
+    /// says how long the head is once it is all there. Whatever followed it stays buffered.
+    /// Blank lines before the head are skipped, as RFC 9112 asks of servers.
+    fn read_head<T>(
+        &mut self,
+        max: usize,
+        parse: impl Fn(&[u8]) -> Result<Option<(usize, T)>, httparse::Error>,
+    ) -> Result<T, HeadError> {
         let mut skipped = 0;
         loop {
             loop {
@@ -110,12 +175,17 @@ impl<'a> Reader<'a> {
                 self.buf.drain(..blank);
                 skipped += blank;
             }
-            if let Some(end) = head_end(&self.buf) {
-                if skipped + end > max {
-                    return Err(HeadError::TooLarge);
+            match parse(&self.buf) {
+                Ok(Some((end, head))) => {
+                    if skipped + end > max {
+                        return Err(HeadError::TooLarge);
+                    }
+                    self.buf.drain(..end);
+                    return Ok(head);
                 }
-                let rest = self.buf.split_off(end);
-                return Ok(std::mem::replace(&mut self.buf, rest));
+                Ok(None) => {}
+                Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
+                Err(e) => return Err(HeadError::Invalid(e)),
             }
             if skipped + self.buf.len() > max {
                 return Err(HeadError::TooLarge);
@@ -154,45 +224,12 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Where the head ends in `buf` (just after its blank line), if it is all there. Lines end in
-/// CRLF or, leniently, a bare LF.
-fn head_end(buf: &[u8]) -> Option<usize> {
-    buf.iter().enumerate().find_map(|(i, &b)| {
-        if b != b'\n' {
-            return None;
-        }
-        match &buf[i + 1..] {
-            [b'\n', ..] => Some(i + 2),
-            [b'\r', b'\n', ..] => Some(i + 3),
-            _ => None,
-        }
-    })
-}
-
-/// The lines of a head, without their line ends or the final blank line.
-fn head_lines(head: &[u8]) -> Result<Vec<&[u8]>, String> {
-    let mut lines = Vec::new();
-    for line in head.split(|&b| b == b'\n') {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if line.is_empty() {
-            break;
-        }
-        if line.iter().any(|&b| (b < 0x20 && b != b'\t') || b == 0x7f) {
-            return Err(format!(
-                "the line {} contains a control character (or a bare CR)",
-                shown(line)
-            ));
-        }
-        lines.push(line);
-    }
-    Ok(lines)
-}
-
 /// A token character (RFC 9110 5.6.2): what method and header names are made of.
 fn is_tchar(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
+/// Whether `s` is a token (a method the client may send).
 pub fn is_token(s: &str) -> bool {
     !s.is_empty() && s.bytes().all(is_tchar)
 }
@@ -206,33 +243,6 @@ fn shown(bytes: &[u8]) -> String {
     } else {
         format!("{text:?}")
     }
-}
-
-/// Split a header line into its name and its value without surrounding whitespace.
-fn parse_header(line: &[u8]) -> Result<(&str, &[u8]), String> {
-    if line.starts_with(b" ") || line.starts_with(b"\t") {
-        return Err(format!(
-            "the header line {} starts with whitespace (folded header lines are not supported)",
-            shown(line)
-        ));
-    }
-    let Some(colon) = line.iter().position(|&b| b == b':') else {
-        return Err(format!(
-            "the header line {} has no ':' (expected Name: value)",
-            shown(line)
-        ));
-    };
-    let name = std::str::from_utf8(&line[..colon])
-        .ok()
-        .filter(|name| is_token(name))
-        .ok_or_else(|| {
-            format!(
-                "the header line {} has an invalid name (no spaces before the ':')",
-                shown(line)
-            )
-        })?;
-    let value = line[colon + 1..].trim_ascii();
-    Ok((name, value))
 }
 
 /// Parse a Content-Length value: digits only. Values too large for u64 become u64::MAX, which
@@ -307,17 +317,19 @@ pub fn read_request(
     streamed: impl Fn(&str, &str) -> bool,
 ) -> Result<Request, Refusal> {
     let mut reader = Reader::new(stream, idle, deadline(total));
-    let head = match reader.read_head(MAX_HEAD) {
+    let head = match reader.read_head(MAX_HEAD, parse_request_head) {
         Ok(head) => head,
         Err(HeadError::TooLarge) => {
             return Err(refuse(
                 431,
                 format!(
-                    "the request line and headers are larger than {} KiB",
+                    "the request line and headers are larger than {} KiB (or more than \
+                     {MAX_HEADERS} headers)",
                     MAX_HEAD >> 10
                 ),
             ))
         }
+        Err(HeadError::Invalid(e)) => return Err(malformed(&reader.buf, e)),
         Err(HeadError::Read(ReadError::Eof)) if reader.received == 0 => {
             return Err(Refusal::Silent)
         }
@@ -330,18 +342,16 @@ pub fn read_request(
         Err(HeadError::Read(ReadError::TimedOut)) => return Err(timed_out(idle, total)),
         Err(HeadError::Read(ReadError::Io(_))) => return Err(Refusal::Silent),
     };
-    let lines = head_lines(&head).map_err(|e| refuse(400, e))?;
-    let (request_line, header_lines) = lines
-        .split_first()
-        .ok_or_else(|| refuse(400, "the request has no request line"))?;
-    let (method, target, minor) = parse_request_line(request_line)?;
+    let (method, target, minor) = (head.method.as_str(), head.target.as_str(), head.minor);
+    check_target(target)?;
+    let header_lines = &head.headers;
 
     let mut content_length = None;
     let mut transfer_encoding = None;
     let mut expect_continue = false;
     let mut authorization = None;
-    for line in header_lines {
-        let (name, value) = parse_header(line).map_err(|e| refuse(400, e))?;
+    for (name, value) in header_lines {
+        let (name, value) = (name.as_str(), value.as_slice());
         if name.eq_ignore_ascii_case("content-length") {
             let len = parse_content_length(value).ok_or_else(|| {
                 refuse(
@@ -487,58 +497,56 @@ fn percent_decode(s: &str) -> Option<String> {
 }
 
 /// Split `METHOD TARGET HTTP/1.x` into its parts; the minor version is 0 or 1.
-fn parse_request_line(line: &[u8]) -> Result<(&str, &str, u8), Refusal> {
-    let malformed = || {
-        refuse(
-            400,
-            format!(
-                "malformed request line {}: expected METHOD /path HTTP/1.1, e.g. GET /vm HTTP/1.1",
-                shown(line)
-            ),
-        )
-    };
-    let text = std::str::from_utf8(line).map_err(|_| malformed())?;
-    let mut parts = text.split(' ');
-    let (Some(method), Some(target), Some(version), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Err(malformed());
-    };
-    if !is_token(method) {
-        return Err(malformed());
+/// Why httparse refused a request head, as an answer: 505 for a version that is HTTP but not
+/// 1.x, 400 with what was wrong for everything else.
+fn malformed(buf: &[u8], e: httparse::Error) -> Refusal {
+    let line_end = buf.iter().position(|&b| b == b'\n').unwrap_or(buf.len());
+    let line = buf[..line_end]
+        .strip_suffix(b"\r")
+        .unwrap_or(&buf[..line_end]);
+    if e == httparse::Error::Version {
+        let text = String::from_utf8_lossy(line);
+        let version = text.split(' ').nth(2).unwrap_or("");
+        let numbered = text.split(' ').count() == 3
+            && version.strip_prefix("HTTP/").is_some_and(|v| {
+                let v = v.as_bytes();
+                v.len() == 3 && v[0].is_ascii_digit() && v[1] == b'.' && v[2].is_ascii_digit()
+            });
+        if numbered {
+            return refuse(
+                505,
+                format!("{version} is not supported: use HTTP/1.1 (or HTTP/1.0)"),
+            );
+        }
     }
+    refuse(
+        400,
+        format!(
+            "malformed request ({e}) at or after the line {}: expected METHOD /path HTTP/1.1, e.g. \
+             GET /vm HTTP/1.1, then Name: value headers",
+            shown(line)
+        ),
+    )
+}
+
+/// The request target must be a path (or an absolute URI, whose path is taken).
+fn check_target(target: &str) -> Result<(), Refusal> {
     let absolute = ["http://", "https://"].iter().any(|scheme| {
         target
             .get(..scheme.len())
             .is_some_and(|start| start.eq_ignore_ascii_case(scheme))
     });
-    if !(target.starts_with('/') || absolute) {
-        return Err(refuse(
+    if target.starts_with('/') || absolute {
+        Ok(())
+    } else {
+        Err(refuse(
             400,
             format!(
                 "the request target {} is not a path: expected one such as /vm",
                 shown(target.as_bytes())
             ),
-        ));
+        ))
     }
-    let minor = match version {
-        "HTTP/1.1" => 1,
-        "HTTP/1.0" => 0,
-        _ => {
-            let numbered = version.strip_prefix("HTTP/").is_some_and(|v| {
-                let v = v.as_bytes();
-                v.len() == 3 && v[0].is_ascii_digit() && v[1] == b'.' && v[2].is_ascii_digit()
-            });
-            if numbered {
-                return Err(refuse(
-                    505,
-                    format!("{version} is not supported: use HTTP/1.1 (or HTTP/1.0)"),
-                ));
-            }
-            return Err(malformed());
-        }
-    };
-    Ok((method, target, minor))
 }
 
 /// The path of a request target: the scheme and authority of an absolute URI, the query,
@@ -647,12 +655,17 @@ pub fn read_response(stream: &UnixStream, deadline: Instant) -> Result<Response,
     let idle = deadline.saturating_duration_since(Instant::now());
     let mut reader = Reader::new(stream, idle, deadline);
     loop {
-        let head = match reader.read_head(MAX_RESPONSE_HEAD) {
+        let head = match reader.read_head(MAX_RESPONSE_HEAD, parse_response_head) {
             Ok(head) => head,
             Err(HeadError::TooLarge) => {
                 return Err(ResponseError::Invalid(format!(
                     "its headers are larger than {} KiB",
                     MAX_RESPONSE_HEAD >> 10
+                )))
+            }
+            Err(HeadError::Invalid(e)) => {
+                return Err(ResponseError::Invalid(format!(
+                    "malformed response head: {e}"
                 )))
             }
             Err(HeadError::Read(ReadError::Eof)) if reader.buf.is_empty() => {
@@ -665,16 +678,14 @@ pub fn read_response(stream: &UnixStream, deadline: Instant) -> Result<Response,
             }
             Err(HeadError::Read(e)) => return Err(ResponseError::Read(e)),
         };
-        let lines = head_lines(&head).map_err(ResponseError::Invalid)?;
-        let (status_line, header_lines) = lines
-            .split_first()
-            .ok_or_else(|| ResponseError::Invalid("it has no status line".into()))?;
-        let status = parse_status_line(status_line).ok_or_else(|| {
-            ResponseError::Invalid(format!("malformed status line {}", shown(status_line)))
-        })?;
+        let status = head.status;
+        if !(100..=999).contains(&status) {
+            return Err(ResponseError::Invalid(format!(
+                "malformed status code {status}"
+            )));
+        }
         let mut content_length = None;
-        for line in header_lines {
-            let (name, value) = parse_header(line).map_err(ResponseError::Invalid)?;
+        for (name, value) in &head.headers {
             if name.eq_ignore_ascii_case("content-length") {
                 content_length = Some(parse_content_length(value).ok_or_else(|| {
                     ResponseError::Invalid(format!("invalid Content-Length {}", shown(value)))
@@ -711,23 +722,6 @@ pub fn read_response(stream: &UnixStream, deadline: Instant) -> Result<Response,
         };
         return Ok(Response { status, body });
     }
-}
-
-/// The status code of `HTTP/1.x NNN reason`.
-fn parse_status_line(line: &[u8]) -> Option<u16> {
-    let rest = line.strip_prefix(b"HTTP/1.")?;
-    let (&minor, rest) = rest.split_first()?;
-    let rest = rest.strip_prefix(b" ")?;
-    if !minor.is_ascii_digit() || rest.len() < 3 || (rest.len() > 3 && rest[3] != b' ') {
-        return None;
-    }
-    let code = &rest[..3];
-    if !code.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    code.iter()
-        .try_fold(0u16, |n, &d| Some(n * 10 + u16::from(d - b'0')))
-        .filter(|code| (100..=999).contains(code))
 }
 
 /// A chunked HTTP response body.
@@ -986,7 +980,10 @@ mod tests {
             read(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n{}"),
             Err(ResponseError::Invalid(_))
         ));
-        assert_eq!(parse_status_line(b"HTTP/1.1 204"), Some(204));
-        assert_eq!(parse_status_line(b"HTTP/1.1 20"), None);
+        assert_eq!(read(b"HTTP/1.1 204\r\n\r\n").unwrap().status, 204);
+        assert!(matches!(
+            read(b"HTTP/1.1 20\r\n\r\n"),
+            Err(ResponseError::Invalid(_))
+        ));
     }
 }

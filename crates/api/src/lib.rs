@@ -34,6 +34,7 @@
 //! server or the VM.
 
 pub mod action;
+pub mod body;
 pub mod client;
 pub mod error;
 pub mod guest;

@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 
-use crate::action::{Action, ForkRequest, MAX_FORK_COUNT};
+use crate::action::{Action, ForkRequest};
+use crate::body::{
+    Count, ExposeBody, ForkBody, ForkParent, NetPolicyBody, NoBody, Port, SnapshotBody,
+};
 use crate::guest;
 use crate::http::{self, Request};
 use crate::reply::Reply;
@@ -101,11 +104,6 @@ fn clip(text: &str) -> String {
     }
 }
 
-/// A JSON value from a client, cut short for an error message.
-fn clip_json(value: &Value) -> String {
-    clip(&value.to_string())
-}
-
 /// Read one request from `stream` and route it, as a connection's handler does before it
 /// acts on it (nothing is acted on): the entry point of the control-socket fuzz target
 /// (`fuzz/`). True if the request names an action.
@@ -184,75 +182,78 @@ fn json_object(
     Ok(object)
 }
 
-fn no_body(endpoint: &str, body: &[u8]) -> Result<(), String> {
-    json_object(endpoint, body, &[], "{}").map(drop)
+/// A body of type `T`: a JSON object (an empty body is an empty one) with only `fields`, each of
+/// the type `T` gives it. The message says which field is wrong and what it must be.
+fn typed<T: serde::de::DeserializeOwned>(
+    endpoint: &str,
+    body: &[u8],
+    fields: &[&str],
+    example: &str,
+) -> Result<T, String> {
+    let object = json_object(endpoint, body, fields, example)?;
+    serde_path_to_error::deserialize(Value::Object(object)).map_err(|e| {
+        let field = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        format!("the field \"{field}\" of {endpoint} {}", must_be(&inner))
+    })
 }
 
-/// What kind of JSON value a client sent, for an error message.
-fn kind(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
+/// serde's "invalid type: X, expected Y" as "must be Y, not X".
+fn must_be(serde_message: &str) -> String {
+    for prefix in ["invalid type: ", "invalid value: "] {
+        if let Some((got, expected)) = serde_message
+            .strip_prefix(prefix)
+            .and_then(|rest| rest.split_once(", expected "))
+        {
+            return format!("must be {expected}, not {}", clip(got));
+        }
     }
+    if let Some(rest) = serde_message.strip_prefix("unknown variant ") {
+        if let Some((got, expected)) = rest.split_once(", expected ") {
+            return format!("must be {expected}, not {}", clip(got));
+        }
+    }
+    format!("is not valid: {}", clip(serde_message))
+}
+
+fn no_body(endpoint: &str, body: &[u8]) -> Result<(), String> {
+    typed::<NoBody>(endpoint, body, NoBody::FIELDS, NoBody::EXAMPLE).map(drop)
 }
 
 fn parse_snapshot(endpoint: &str, body: &[u8]) -> Result<Action, String> {
-    const EXAMPLE: &str = r#"{"path": "/some/dir"}"#;
-    let object = json_object(endpoint, body, &["path", "diff"], EXAMPLE)?;
-    let diff = match object.get("diff") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(diff)) => *diff,
-        Some(other) => {
-            return Err(format!(
-                "the field \"diff\" of {endpoint} must be true or false, not {}",
-                kind(other)
-            ))
-        }
-    };
-    match object.get("path") {
-        None | Some(Value::Null) => Err(format!(
+    const EXAMPLE: &str = SnapshotBody::EXAMPLE;
+    let body: SnapshotBody = typed(endpoint, body, SnapshotBody::FIELDS, EXAMPLE)?;
+    match body.path {
+        None => Err(format!(
             "{endpoint} needs the field \"path\", the directory to write the snapshot to: \
              send e.g. {EXAMPLE}"
         )),
-        Some(Value::String(path)) if path.is_empty() => Err(format!(
+        Some(path) if path.is_empty() => Err(format!(
             "the field \"path\" of {endpoint} is empty: give the directory to write the \
              snapshot to, e.g. {EXAMPLE}"
         )),
-        Some(Value::String(path)) if path.contains('\0') => Err(format!(
+        Some(path) if path.contains('\0') => Err(format!(
             "the field \"path\" of {endpoint} contains a NUL character"
         )),
-        Some(Value::String(path)) => Ok(Action::Snapshot {
+        Some(path) => Ok(Action::Snapshot {
             path: PathBuf::from(path),
-            diff,
+            diff: body.diff.unwrap_or(false),
         }),
-        Some(other) => Err(format!(
-            "the field \"path\" of {endpoint} must be a string (a directory), not {}",
-            kind(other)
-        )),
     }
 }
 
 fn parse_net_policy(endpoint: &str, body: &[u8]) -> Result<Action, String> {
-    const EXAMPLE: &str = r#"{"policy": "allow=192.0.2.0/24:443,198.51.100.7"}"#;
-    let object = json_object(endpoint, body, &["policy"], EXAMPLE)?;
-    match object.get("policy") {
-        None | Some(Value::Null) => Err(format!(
+    const EXAMPLE: &str = NetPolicyBody::EXAMPLE;
+    let body: NetPolicyBody = typed(endpoint, body, NetPolicyBody::FIELDS, EXAMPLE)?;
+    let Some(text) = body.policy else {
+        return Err(format!(
             "{endpoint} needs the field \"policy\" (none, open or allow=CIDR[:PORT],...): send \
              e.g. {EXAMPLE}"
-        )),
-        Some(Value::String(text)) => text
-            .parse::<mayfly_network::Policy>()
-            .map(Action::NetPolicy)
-            .map_err(|e| format!("the field \"policy\" of {endpoint}: {e}")),
-        Some(other) => Err(format!(
-            "the field \"policy\" of {endpoint} must be a string, not {}",
-            kind(other)
-        )),
-    }
+        ));
+    };
+    text.parse::<mayfly_network::Policy>()
+        .map(Action::NetPolicy)
+        .map_err(|e| format!("the field \"policy\" of {endpoint}: {e}"))
 }
 
 /// Where an exposed port listens on the host, as `tcp:ADDR:PORT` or `unix:PATH`.
@@ -275,107 +276,37 @@ pub fn parse_expose_on(text: &str) -> Result<mayfly_network::ExposeOn, String> {
 }
 
 fn parse_net_expose(endpoint: &str, body: &[u8]) -> Result<Action, String> {
-    const EXAMPLE: &str = r#"{"port": 8080, "on": "tcp:127.0.0.1:0"}"#;
-    let object = json_object(endpoint, body, &["port", "on"], EXAMPLE)?;
-    let port = match object.get("port") {
-        None | Some(Value::Null) => {
-            return Err(format!(
-                "{endpoint} needs the field \"port\", the guest's port: send e.g. {EXAMPLE}"
-            ))
-        }
-        Some(value) => value
-            .as_u64()
-            .and_then(|n| u16::try_from(n).ok())
-            .filter(|&n| n != 0)
-            .ok_or_else(|| {
-                format!(
-                    "the field \"port\" of {endpoint} must be a port from 1 to 65535, not {}",
-                    clip_json(value)
-                )
-            })?,
+    const EXAMPLE: &str = ExposeBody::EXAMPLE;
+    let body: ExposeBody = typed(endpoint, body, ExposeBody::FIELDS, EXAMPLE)?;
+    let Some(Port(port)) = body.port else {
+        return Err(format!(
+            "{endpoint} needs the field \"port\", the guest's port: send e.g. {EXAMPLE}"
+        ));
     };
-    let on = match object.get("on") {
-        None | Some(Value::Null) => mayfly_network::ExposeOn::Tcp(std::net::SocketAddr::from((
+    let on = match body.on {
+        None => mayfly_network::ExposeOn::Tcp(std::net::SocketAddr::from((
             std::net::Ipv4Addr::LOCALHOST,
             0,
         ))),
-        Some(Value::String(text)) => {
-            parse_expose_on(text).map_err(|e| format!("the field \"on\" of {endpoint}: {e}"))?
-        }
-        Some(other) => {
-            return Err(format!(
-                "the field \"on\" of {endpoint} must be a string, not {}",
-                kind(other)
-            ))
+        Some(text) => {
+            parse_expose_on(&text).map_err(|e| format!("the field \"on\" of {endpoint}: {e}"))?
         }
     };
     Ok(Action::NetExpose { port, on })
 }
 
 fn parse_fork(endpoint: &str, body: &[u8]) -> Result<Action, String> {
-    const EXAMPLE: &str = r#"{"count": 2, "name_prefix": "web", "parent": "paused"}"#;
-    let object = json_object(
-        endpoint,
-        body,
-        &["count", "name_prefix", "parent", "overcommit"],
-        EXAMPLE,
-    )?;
-    let count = match object.get("count") {
-        None | Some(Value::Null) => {
-            return Err(format!(
-                "{endpoint} needs the field \"count\", the number of clones: send e.g. {EXAMPLE}"
-            ))
-        }
-        Some(value) => value
-            .as_u64()
-            .filter(|&n| n <= u64::from(MAX_FORK_COUNT))
-            .and_then(|n| u32::try_from(n).ok())
-            .ok_or_else(|| {
-                format!(
-                    "the field \"count\" of {endpoint} must be an integer from 0 to \
-                     {MAX_FORK_COUNT} (the most clones mayfly allows in one fork), not {}",
-                    clip_json(value)
-                )
-            })?,
-    };
-    let name_prefix = match object.get("name_prefix") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(prefix)) => Some(prefix.clone()),
-        Some(other) => {
-            return Err(format!(
-                "the field \"name_prefix\" of {endpoint} must be a string, not {}",
-                kind(other)
-            ))
-        }
-    };
-    let parent_paused = match object.get("parent") {
-        None | Some(Value::Null) => false,
-        Some(Value::String(parent)) if parent == "running" => false,
-        Some(Value::String(parent)) if parent == "paused" => true,
-        Some(other) => {
-            return Err(format!(
-                "the field \"parent\" of {endpoint} must be \"running\" or \"paused\" (what the \
-                 parent VM does after the fork), not {}",
-                clip_json(other)
-            ))
-        }
-    };
-    let overcommit = match object.get("overcommit") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(overcommit)) => *overcommit,
-        Some(other) => {
-            return Err(format!(
-                "the field \"overcommit\" of {endpoint} must be true or false (true: count only \
-                 what starting the clones costs the host, not the guest memory they will write), \
-                 not {}",
-                clip_json(other)
-            ))
-        }
+    const EXAMPLE: &str = ForkBody::EXAMPLE;
+    let body: ForkBody = typed(endpoint, body, ForkBody::FIELDS, EXAMPLE)?;
+    let Some(Count(count)) = body.count else {
+        return Err(format!(
+            "{endpoint} needs the field \"count\", the number of clones: send e.g. {EXAMPLE}"
+        ));
     };
     Ok(Action::Fork(ForkRequest {
         count,
-        name_prefix,
-        parent_paused,
-        overcommit,
+        name_prefix: body.name_prefix,
+        parent_paused: body.parent == Some(ForkParent::Paused),
+        overcommit: body.overcommit.unwrap_or(false),
     }))
 }

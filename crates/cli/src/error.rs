@@ -24,3 +24,9 @@ pub enum Error {
     #[error(transparent)]
     Net(#[from] mayfly_vmm::devices::net::NetSetupError),
 }
+
+/// Say what went wrong, on one line, and end with status 1.
+pub(crate) fn fail(err: impl std::fmt::Display) -> std::process::ExitCode {
+    eprintln!("mayfly: {err}");
+    std::process::ExitCode::FAILURE
+}

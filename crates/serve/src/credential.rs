@@ -22,8 +22,9 @@ use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-use crate::sandbox::{new_token, write_atomically};
-use crate::ServeError;
+use crate::error::ServeError;
+use crate::tokens::new_token;
+use crate::util::write_atomically;
 
 /// Where the guest finds its credential.
 pub const GUEST_PATH: &str = "/run/mayfly/sandbox.json";

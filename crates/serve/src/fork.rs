@@ -6,8 +6,8 @@
 //!    only while no process of that VMM's uid runs, as before every wake.
 //! 2. Its snapshot becomes a **fork base** in `<state-dir>/forks/<id>/`: linked there, checked
 //!    to hold nothing but plain files, its disk layers gathered in, and sealed: root's and
-//!    read-only, the files the source keeps using copied (see [`seal`]), so no VMM can change
-//!    what the clones restore after the fact.
+//!    read-only, the files the source keeps using copied (see [`crate::files::seal`]), so no
+//!    VMM can change what the clones restore after the fact.
 //! 3. Each clone is created as any sandbox is: the base is hard-linked into its own
 //!    `vm/base/` (nothing is copied; every clone's RAM maps the same files, so the page cache
 //!    holds the base once) and restored from there with the clock, entropy and identity
@@ -15,26 +15,26 @@
 //! 4. The fork base is removed: the clones' links keep its files for as long as any clone
 //!    needs them.
 //!
-//! A fork that fails part-way deletes the clones it made: all of them or none.
+//! A fork that fails part-way deletes the clones it made: all of them or none. It uses only
+//! the manager's public life cycle (a snapshot of the source, creates, deletes).
 
-use std::io;
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::sandbox::{now_ms, valid_name, Manager, Sandbox, Spec};
-use crate::ServeError;
+use crate::error::ServeError;
+use crate::files::seal;
+use crate::manager::Manager;
+use crate::records::{valid_name, Spec};
+use crate::sandbox::Sandbox;
+use crate::util::{io_error, now_ms};
 
 /// The most clones one request makes.
 pub const MAX_CLONES: usize = 64;
 /// Clones started at once.
 const PARALLEL: usize = 4;
-/// A sandbox's own links to the snapshot it was made from, in its `vm/`.
-pub const BASE: &str = "base";
 
 /// The body of `POST /sandboxes/NAME/fork`.
 #[derive(Debug, Default, Deserialize)]
@@ -49,140 +49,6 @@ pub struct ForkRequest {
     /// The clones' idle timeout (default: the source's).
     #[serde(default)]
     pub idle_timeout_s: Option<u64>,
-}
-
-fn io_error(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> ServeError {
-    let path = path.display().to_string();
-    move |source| ServeError::Io { what, path, source }
-}
-
-/// Hard-link the tree `from` (plain files and directories only) at `to`, a new directory.
-fn link_tree(from: &Path, to: &Path) -> io::Result<()> {
-    std::fs::create_dir(to)?;
-    std::fs::set_permissions(to, std::fs::Permissions::from_mode(0o755))?;
-    for entry in std::fs::read_dir(from)? {
-        let entry = entry?;
-        let kind = entry.file_type()?;
-        let target = to.join(entry.file_name());
-        if kind.is_dir() {
-            link_tree(&entry.path(), &target)?;
-        } else if kind.is_file() {
-            std::fs::hard_link(entry.path(), &target)?;
-        } else {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!(
-                    "{} is not a plain file or directory",
-                    entry.path().display()
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// Hard-link a snapshot at `to` (a new directory); nothing is left of `to` if it fails.
-pub(super) fn link_snapshot(from: &Path, to: &Path) -> Result<(), ServeError> {
-    link_tree(from, to).map_err(|e| {
-        let _ = std::fs::remove_dir_all(to);
-        io_error("link the snapshot at", to)(e)
-    })
-}
-
-/// Link `snapshot` into a sandbox's `vm/base/` and return that path; `None` when the snapshot
-/// is on another file system (a snapshot the user gave: it is then restored where it is).
-pub(super) fn link_base(snapshot: &Path, vm_dir: &Path) -> Result<Option<PathBuf>, ServeError> {
-    let base = vm_dir.join(BASE);
-    match link_tree(snapshot, &base) {
-        Ok(()) => Ok(Some(base)),
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&base);
-            if e.raw_os_error() == Some(libc::EXDEV) {
-                Ok(None)
-            } else {
-                Err(io_error("link the snapshot into the sandbox as", &base)(e))
-            }
-        }
-    }
-}
-
-/// Make a fork base root's and read-only, all through, so no VMM can change what the clones
-/// restore: a file root already owns (a template's, linked in) is kept, one whose only name is
-/// here becomes root's, and one the source shares with its own snapshot (a hard link) is
-/// replaced by a copy of root's (holes kept), so the source's files stay its own (it links
-/// them into its next snapshot) and nothing of it reaches the clones. Called only while no
-/// process of the source's uid runs.
-pub(super) fn seal(dir: &Path) -> Result<(), ServeError> {
-    crate::sandbox::check_plain(dir)?;
-    seal_tree(dir).map_err(io_error("seal (make root's and read-only)", dir))
-}
-
-fn seal_tree(path: &Path) -> io::Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::symlink_metadata(path)?;
-    if meta.is_dir() {
-        std::os::unix::fs::lchown(path, Some(0), Some(0))?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))?;
-        for entry in std::fs::read_dir(path)? {
-            seal_tree(&entry?.path())?;
-        }
-    } else if meta.is_file() {
-        if meta.uid() != 0 {
-            if meta.nlink() == 1 {
-                // Its only name is here and no process of its uid runs: root's in place.
-                std::os::unix::fs::lchown(path, Some(0), Some(0))?;
-            } else {
-                copy_as_root(path)?;
-            }
-        }
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444))?;
-    } else {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("{} is not a plain file or directory", path.display()),
-        ));
-    }
-    Ok(())
-}
-
-/// Replace `path` by a copy of root's: its data extents copied, its holes left holes.
-fn copy_as_root(path: &Path) -> io::Result<()> {
-    use std::os::unix::fs::{FileExt, OpenOptionsExt};
-    let from = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)?;
-    let len = from.metadata()?.len();
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
-    let tmp = path.with_file_name(format!(".{}.sealing", name.unwrap_or_default()));
-    let to = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    let copied = (|| {
-        to.set_len(len)?;
-        let mut buf = vec![0u8; 1 << 20];
-        for (start, size) in mayfly_sys::extents::data_extents(&from, 0, len)? {
-            let mut done = 0u64;
-            while done < size {
-                let want =
-                    usize::try_from((size - done).min(buf.len() as u64)).unwrap_or(buf.len());
-                let n = from.read_at(&mut buf[..want], start + done)?;
-                if n == 0 {
-                    break;
-                }
-                to.write_all_at(&buf[..n], start + done)?;
-                done += n as u64;
-            }
-        }
-        to.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if copied.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    copied
 }
 
 /// The clones' names: the ones asked for, or `NAME-k` for the first free k.

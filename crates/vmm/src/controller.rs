@@ -68,7 +68,7 @@ impl Controller {
             vsock_claim,
             refresh,
         } = vmm;
-        let controller = Self {
+        Self {
             api,
             machine,
             events,
@@ -76,8 +76,7 @@ impl Controller {
             vsock_claim,
             refresh,
             held_for_fork: false,
-        };
-        controller
+        }
     }
 
     /// Hold this restored, paused clone until its fork ends ([`VmEvent::ForkEnded`]). Until

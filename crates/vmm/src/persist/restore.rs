@@ -625,7 +625,7 @@ fn map_ram(snapshot: &mut LoadedSnapshot, memory: MemoryMode) -> Result<GuestRam
     let memory_file = || snapshot.memory.try_clone().map_err(MemoryError::Memfd);
     Ok(match (memory, snapshot.chain.take()) {
         (MemoryMode::Cow, Some(chain)) => GuestRam::copy_on_write_chain(chain, ranges)?,
-        (MemoryMode::Cow, None) => GuestRam::copy_on_write(memory_file()?, &ranges)?,
+        (MemoryMode::Cow, None) => GuestRam::copy_on_write(memory_file()?, ranges)?,
         (MemoryMode::Lazy { .. }, _) if diff => {
             return Err(RestoreError::MemoryLayers(
                 "a diff snapshot is restored with --memory cow or eager; lazy restore reads \
@@ -633,9 +633,9 @@ fn map_ram(snapshot: &mut LoadedSnapshot, memory: MemoryMode) -> Result<GuestRam
                     .into(),
             ))
         }
-        (MemoryMode::Lazy { .. }, _) => GuestRam::lazy(memory_file()?, &ranges)?,
-        (MemoryMode::Eager, Some(chain)) if diff => GuestRam::eager_chain(&chain, &ranges)?,
-        (MemoryMode::Eager, _) => GuestRam::eager(&snapshot.memory, &ranges)?,
+        (MemoryMode::Lazy { .. }, _) => GuestRam::lazy(memory_file()?, ranges)?,
+        (MemoryMode::Eager, Some(chain)) if diff => GuestRam::eager_chain(&chain, ranges)?,
+        (MemoryMode::Eager, _) => GuestRam::eager(&snapshot.memory, ranges)?,
     })
 }
 

@@ -13,6 +13,7 @@ use virtio_queue::Queue;
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
+use super::consts::{EVENT_TRANSPORT_RESET, TX};
 use super::packet::*;
 use super::*;
 

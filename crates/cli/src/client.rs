@@ -1,0 +1,120 @@
+//! The commands that talk to a running VM's control socket: pause, resume, status, shutdown,
+//! fork, net, and snapshot (which pauses first if it must).
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use mayfly_api::body::{Count, ExposeBody, ForkBody, ForkParent, NetPolicyBody, Port};
+
+use crate::args::{ForkArgs, NetArgs, SnapshotArgs};
+use crate::error::fail;
+
+/// A request body as JSON (the body types cannot fail to serialize).
+pub(crate) fn body(body: &impl serde::Serialize) -> serde_json::Value {
+    serde_json::to_value(body).unwrap_or_default()
+}
+
+/// One request to a VM's control socket; prints the answer.
+pub(crate) fn client(
+    sock: &Path,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> ExitCode {
+    match mayfly_api::request(sock, method, path, body.as_ref()) {
+        Ok((status, answer)) if (200..300).contains(&status) => {
+            if !answer.is_null() {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&answer).unwrap_or_default()
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Ok((status, answer)) => {
+            let message = answer
+                .get("error")
+                .and_then(|e| e.as_str())
+                .map(str::to_string)
+                .unwrap_or_else(|| answer.to_string());
+            fail(format!("{message} (HTTP {status})"))
+        }
+        Err(err) => fail(err),
+    }
+}
+
+/// Pause if needed, snapshot, and resume if it was running (unless asked not to).
+pub(crate) fn snapshot(args: SnapshotArgs) -> ExitCode {
+    let sock = &args.sock.sock;
+    let state = match mayfly_api::request(sock, "GET", "/vm", None) {
+        Ok((200, vm)) => vm
+            .get("state")
+            .and_then(|s| s.as_str())
+            .unwrap_or("")
+            .to_string(),
+        Ok((status, answer)) => return fail(format!("the VM answered HTTP {status}: {answer}")),
+        Err(err) => return fail(err),
+    };
+    // A clone still held by its fork ("starting") runs in a moment: paused here, it stays
+    // paused past its fork's end, and runs again after the snapshot (unless --keep-paused).
+    let was_running = state == "running" || state == "starting";
+    if was_running {
+        let code = client(sock, "PUT", "/vm/pause", None);
+        if code != ExitCode::SUCCESS {
+            return code;
+        }
+    }
+    let dir = std::path::absolute(&args.dir).unwrap_or(args.dir.clone());
+    let code = client(
+        sock,
+        "PUT",
+        "/vm/snapshot",
+        Some(body(&mayfly_api::body::SnapshotBody {
+            path: Some(dir.to_string_lossy().into_owned()),
+            diff: Some(args.diff),
+        })),
+    );
+    if was_running && !args.keep_paused {
+        let resumed = client(sock, "PUT", "/vm/resume", None);
+        if code == ExitCode::SUCCESS {
+            return resumed;
+        }
+    }
+    code
+}
+
+/// `mayfly fork`: `PUT /vm/fork`.
+pub(crate) fn fork(args: ForkArgs) -> ExitCode {
+    let request = ForkBody {
+        count: Some(Count(args.count)),
+        name_prefix: args.name_prefix,
+        parent: Some(if args.keep_paused {
+            ForkParent::Paused
+        } else {
+            ForkParent::Running
+        }),
+        overcommit: Some(args.overcommit),
+    };
+    client(&args.sock.sock, "PUT", "/vm/fork", Some(body(&request)))
+}
+
+/// `mayfly net`: the VM's network, a new egress policy, or a guest port exposed.
+pub(crate) fn net(args: NetArgs) -> ExitCode {
+    let sock = &args.sock.sock;
+    match (args.policy, args.expose) {
+        (Some(policy), _) => {
+            let request = NetPolicyBody {
+                policy: Some(policy),
+            };
+            client(sock, "PUT", "/vm/net/policy", Some(body(&request)))
+        }
+        (None, Some(port)) => {
+            let request = ExposeBody {
+                port: Some(Port(port)),
+                on: Some(args.on),
+            };
+            client(sock, "PUT", "/vm/net/expose", Some(body(&request)))
+        }
+        (None, None) => client(sock, "GET", "/vm/net", None),
+    }
+}

@@ -1,0 +1,49 @@
+//! What `mayfly serve` is told at its start: where its state and socket are, which binary
+//! its sandboxes' VMMs run, and its [`Policy`] (jail, budgets, expiry).
+//!
+//! Read once by the manager when it opens its state directory; nothing here changes while it
+//! serves.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::ServeError;
+
+pub struct ServeConfig {
+    pub state_dir: PathBuf,
+    pub sock: PathBuf,
+    /// The mayfly binary the sandboxes' VMMs run.
+    pub mayfly: PathBuf,
+    pub policy: Policy,
+}
+
+/// What the manager allows, and what it collects: `mayfly serve`'s options.
+#[derive(Clone, Debug, Default)]
+pub struct Policy {
+    /// Jail new sandboxes' VMMs (see vmm/src/jail.rs): the default.
+    pub jail: bool,
+    /// Jailed sandboxes run as uids (and gids) from this one on, one each.
+    pub jail_uid_base: u32,
+    /// Guest memory (MiB) sandboxes with a running VMM may hold in all (see
+    /// `budget::MemoryBudget::reserve`); `None`: no budget.
+    pub mem_budget_mib: Option<u64>,
+    /// Past the memory budget, put the longest-idle running sandboxes to sleep to make room
+    /// (instead of refusing).
+    pub make_room: bool,
+    /// What the sandboxes may keep on disk in all (MiB; their snapshots, disk layers and
+    /// bases): a suspend that could take more is refused; `None`: no budget.
+    pub disk_budget_mib: Option<u64>,
+    /// A sandbox asleep this long (seconds, since it was suspended or last used, whichever
+    /// is later) is deleted and its snapshot collected; `None`: kept until deleted.
+    pub expire_after_s: Option<u64>,
+    /// A template no create has used for this long (seconds) is collected; `None`: kept.
+    pub template_ttl_s: Option<u64>,
+}
+
+/// The state directory must be absolute: the sandboxes' VMMs are given paths in it.
+pub fn absolute_state_dir(dir: &Path) -> Result<PathBuf, ServeError> {
+    std::path::absolute(dir).map_err(|source| ServeError::Io {
+        what: "resolve",
+        path: dir.display().to_string(),
+        source,
+    })
+}

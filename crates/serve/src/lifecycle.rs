@@ -1,0 +1,687 @@
+//! A sandbox's life cycle, one state machine: each method here moves a sandbox between the
+//! states of [`State`], under that sandbox's own lock, saving its record at every step.
+//!
+//! | from                  | to                     | by                                           |
+//! |-----------------------|------------------------|----------------------------------------------|
+//! | (none)                | Starting → Running     | `create` (removed again if its VMM fails)    |
+//! | Running               | Suspending → Suspended | `suspend` (`PUT .../pause`, the idle watch, make-room); back to Running if the snapshot fails |
+//! | Suspended             | Running                | `ensure_running`, `enter` (a wake)           |
+//! | Running               | Dead                   | `note_death`, `mark_dead`: its VMM ended unasked |
+//! | Dead, with a snapshot | Running                | `ensure_running` `back_to_snapshot` (`PUT .../resume` only) |
+//! | any                   | Deleting → gone        | `delete` (`DELETE`, the idle watch's expiry) |
+//! | Running               | Suspended → Running    | `fork_snapshot`: a running source sleeps for its snapshot, then wakes |
+//!
+//! Each of them first notices a VMM that ended on its own (Running → Dead). A manager's start
+//! (see [`crate::recovery`]) finishes what a crash left: Starting and Deleting → gone,
+//! Running and Suspending → Running (adopted) or Dead. A start reserves memory here too
+//! ([`Manager::reserve_memory`]: with make-room, the longest-idle sandboxes sleep first), and
+//! a suspend disk.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::budget::Reserved;
+use crate::error::ServeError;
+use crate::files::{check_plain, link_base, link_snapshot, make_dirs, BASE};
+use crate::manager::Manager;
+use crate::process::{log_tail, pause_and_snapshot, Vmm, STOP_TIMEOUT, VMM_REQUEST_TIMEOUT};
+use crate::records::{valid_name, Record, Spec, State};
+use crate::sandbox::{Inner, Launcher, Sandbox};
+use crate::tokens::{hash_token, new_token};
+use crate::util::{lock, now_ms};
+
+/// Requests passed to one sandbox's VMM at once: a VMM that stalls holds at most these of the
+/// manager's connections.
+const MAX_REQUESTS_PER_SANDBOX: usize = 64;
+
+/// A request in flight for a sandbox: it counts as activity until dropped.
+pub struct Activity<'a> {
+    sandbox: &'a Sandbox,
+    manager: &'a Manager,
+}
+
+impl Drop for Activity<'_> {
+    fn drop(&mut self) {
+        self.sandbox.touch(self.manager.uptime_ms());
+        self.sandbox.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Manager {
+    /// Make a sandbox and start its VMM; returns its description and its token. Nothing of
+    /// it is left if it fails.
+    pub fn create(&self, name: &str, mut spec: Spec) -> Result<(Value, String), ServeError> {
+        if !valid_name(name) {
+            return Err(ServeError::BadRequest(format!(
+                "{name:?} is not a sandbox name: use 1 to 63 lower-case letters, digits and \
+                 hyphens, not starting or ending with a hyphen (a DNS label)"
+            )));
+        }
+        spec.check().map_err(ServeError::BadRequest)?;
+        if self.jail && spec.net.as_deref().is_some_and(|net| net != "none") {
+            return Err(ServeError::BadRequest(
+                "this manager jails its sandboxes, and a jailed VM cannot have a NIC yet: leave \
+                 \"net\" out, or start the manager with --no-jail to give sandboxes networks \
+                 (their VMMs then run as root)"
+                    .into(),
+            ));
+        }
+        let dir = self.dir.join("sandboxes").join(name);
+        let sock = dir.join("vm.sock");
+        // The vsock socket beside it is the longest path the VMM binds.
+        let longest = sock.as_os_str().len() + ".vsock_4294967295".len();
+        if longest > mayfly_sys::socket::MAX_SOCKET_PATH {
+            return Err(ServeError::BadRequest(format!(
+                "the sandbox's sockets under {} would be {longest} bytes long, over the {} a \
+                 Unix socket path may have: give a shorter name, or serve from a shorter \
+                 --state-dir",
+                dir.display(),
+                mayfly_sys::socket::MAX_SOCKET_PATH
+            )));
+        }
+        if lock(&self.sandboxes).contains_key(name) {
+            return Err(ServeError::Conflict(format!(
+                "a sandbox named {name} exists: pick another name, or delete it first"
+            )));
+        }
+        if let Some(template) = &mut spec.template {
+            // A guest without the agent is not waited for, nor is its template's (the record
+            // keeps the template as built: its key says which one it uses).
+            template.no_agent |= spec.no_agent;
+        }
+        if let Some(template) = &spec.template {
+            // Built (or found) before the name is taken: a build may take a while.
+            let builder_uid = self.jail.then(|| self.uid_base.saturating_sub(1).max(1));
+            let reserve = |name: &str, bytes| self.reserve_memory(name, bytes);
+            spec.snapshot = Some(self.templates.snapshot_for(
+                &self.launcher(&reserve),
+                &self.events,
+                template,
+                builder_uid,
+            )?);
+        }
+        let token = new_token("mfs_")?;
+        let now = now_ms();
+        // The name is taken (under the map's lock) before anything is made on disk, and a
+        // jailed sandbox gets the lowest uid from the base that no other sandbox has.
+        let sandbox = {
+            let mut all = lock(&self.sandboxes);
+            if all.contains_key(name) || dir.exists() {
+                return Err(ServeError::Conflict(format!(
+                    "a sandbox named {name} exists: pick another name, or delete it first"
+                )));
+            }
+            let uid = if self.jail {
+                let taken: std::collections::BTreeSet<u32> =
+                    all.values().filter_map(|s| s.uid).collect();
+                Some(
+                    (self.uid_base..u32::MAX)
+                        .find(|uid| !taken.contains(uid))
+                        .ok_or_else(|| {
+                            ServeError::Conflict("no uid is left for a new sandbox".into())
+                        })?,
+                )
+            } else {
+                None
+            };
+            let record = Record {
+                name: name.to_owned(),
+                spec,
+                state: State::Starting,
+                token_sha256: Some(hash_token(&token)),
+                pid: None,
+                pid_start: None,
+                created_ms: now,
+                last_used_ms: now,
+                suspended_ms: None,
+                wakes: 0,
+                suspends: 0,
+                died: None,
+                jailed: self.jail,
+                uid,
+                guest_bytes: None,
+                vm_paused: false,
+            };
+            let sandbox = Arc::new(Sandbox::new(dir.clone(), record, self.uptime_ms()));
+            all.insert(name.to_owned(), Arc::clone(&sandbox));
+            sandbox
+        };
+        let start = Instant::now();
+        let mut inner = lock(&sandbox.inner);
+        let made = (|| {
+            make_dirs(&dir, inner.record.uid.filter(|_| inner.record.jailed))?;
+            sandbox.save(&inner)?;
+            // A snapshot to restore is linked into the sandbox's own `vm/base/` (nothing is
+            // copied): the layers its disks stack on are then inside what its jail sees, its
+            // later snapshots can name them, and the template or fork base it came from can
+            // go while it lives.
+            if let Some(snapshot) = inner.record.spec.snapshot.clone() {
+                if let Some(base) = link_base(&snapshot, &sandbox.vm_dir())? {
+                    inner.record.spec.snapshot = Some(base);
+                    sandbox.save(&inner)?;
+                }
+            }
+            let jail = inner.record.uid.filter(|_| inner.record.jailed);
+            let spec = inner.record.spec.clone();
+            let vmm = self.start_vmm(&sandbox, &spec, jail, false, &mut |pid, start, bytes| {
+                inner.record.pid = Some(pid);
+                inner.record.pid_start = start;
+                inner.record.guest_bytes = Some(bytes);
+                sandbox.save(&inner)
+            })?;
+            inner.vmm = Some(vmm);
+            inner.record.state = State::Running;
+            sandbox.save(&inner)
+        })();
+        if let Err(e) = made {
+            if let Some(mut vmm) = inner.vmm.take() {
+                vmm.kill();
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+            drop(inner);
+            lock(&self.sandboxes).remove(name);
+            self.metrics.creates_failed.fetch_add(1, Ordering::Relaxed);
+            self.event("create_failed", name, json!({ "error": e.to_string() }));
+            return Err(e);
+        }
+        let took = start.elapsed();
+        self.metrics.create.observe(took);
+        self.event(
+            "created",
+            name,
+            json!({ "ms": took.as_secs_f64() * 1e3, "pid": inner.record.pid }),
+        );
+        let record = inner.record.clone();
+        drop(inner);
+        self.give_credential(&sandbox, &record);
+        Ok((self.describe(&sandbox), token))
+    }
+
+    /// What starting a VMM takes from this manager, its memory budget held through `reserve`.
+    fn launcher<'a, 'r>(
+        &'a self,
+        reserve: &'a dyn Fn(&str, u64) -> Reserved<'r>,
+    ) -> Launcher<'a, 'r> {
+        Launcher {
+            mayfly: &self.mayfly,
+            state_dir: &self.dir,
+            reserve,
+        }
+    }
+
+    /// Start a sandbox's VMM (a boot, or a restore of its own snapshot when `wake`) within the
+    /// memory budget (see [`Sandbox::start_vmm`]).
+    fn start_vmm(
+        &self,
+        sandbox: &Sandbox,
+        spec: &Spec,
+        jail_uid: Option<u32>,
+        wake: bool,
+        persist: &mut dyn FnMut(u32, Option<u64>, u64) -> Result<(), ServeError>,
+    ) -> Result<Vmm, ServeError> {
+        let reserve = |name: &str, bytes| self.reserve_memory(name, bytes);
+        sandbox.start_vmm(&self.launcher(&reserve), spec, jail_uid, wake, persist)
+    }
+
+    /// Hold `bytes` of the memory budget for `name`'s VMM about to start (see
+    /// [`crate::budget::MemoryBudget::reserve`]); with make-room, the longest-idle running
+    /// sandboxes are put to sleep first.
+    pub(crate) fn reserve_memory(&self, name: &str, bytes: u64) -> Reserved<'_> {
+        self.memory.reserve(
+            name,
+            bytes,
+            &self.metrics,
+            &|| self.memory_in_use(),
+            &|shortfall, tried| {
+                self.longest_idle(name, shortfall, tried)
+                    .map(|victim| (victim.name.clone(), victim))
+            },
+            &|victim| self.suspend_for_room(&victim, name, bytes),
+        )
+    }
+
+    /// The running sandbox idle longest that could go to sleep to make room for `for_name`
+    /// (no request in flight, not tried yet), if all such sandboxes together free at least
+    /// `shortfall`: nothing goes to sleep that would not help.
+    fn longest_idle(
+        &self,
+        for_name: &str,
+        shortfall: u64,
+        tried: &[String],
+    ) -> Option<Arc<Sandbox>> {
+        let candidates: Vec<(u64, Arc<Sandbox>)> = lock(&self.sandboxes)
+            .values()
+            .filter(|s| s.name != for_name && s.active.load(Ordering::SeqCst) == 0)
+            .filter(|s| {
+                let view = lock(&s.view);
+                view.state == State::Running && view.pid.is_some()
+            })
+            .map(|s| (s.last_used.load(Ordering::SeqCst), Arc::clone(s)))
+            .collect();
+        let freeable = candidates
+            .iter()
+            .map(|(_, s)| lock(&s.view).guest_bytes.unwrap_or(0))
+            .fold(0u64, u64::saturating_add);
+        if freeable < shortfall {
+            return None;
+        }
+        candidates
+            .into_iter()
+            .filter(|(_, s)| !tried.contains(&s.name))
+            .min_by_key(|(last_used, _)| *last_used)
+            .map(|(_, s)| s)
+    }
+
+    /// Put `sandbox` to sleep for `for_name`, if it is still running and idle. A sandbox busy
+    /// with a wake, suspend or delete (its lock taken) is passed over rather than waited for:
+    /// it may itself be waiting for the budget.
+    fn suspend_for_room(&self, sandbox: &Sandbox, for_name: &str, bytes: u64) {
+        let mut inner = match sandbox.inner.try_lock() {
+            Ok(inner) => inner,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        // A request that came meanwhile (it counts itself before it takes the lock) keeps its
+        // sandbox awake.
+        if inner.record.state != State::Running || sandbox.active.load(Ordering::SeqCst) != 0 {
+            return;
+        }
+        let idle_ms = sandbox.idle_ms(self.uptime_ms());
+        self.event(
+            "making_room",
+            &sandbox.name,
+            json!({ "for": for_name, "needs_bytes": bytes, "idle_ms": idle_ms }),
+        );
+        if self.suspend_locked(sandbox, &mut inner).is_ok() {
+            self.metrics.made_room.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A snapshot of `source` at `into` for a fork (see [`crate::fork`]), checked to hold
+    /// plain files only, linked there and given to `prepare`: a running sandbox is suspended
+    /// first (its snapshot in its own `vm/snap/`, its VMM ended) and woken again afterwards
+    /// (paused again if its user had paused it); a sleeping one stays asleep.
+    pub fn fork_snapshot(
+        &self,
+        source: &Sandbox,
+        into: &Path,
+        prepare: &dyn Fn(&Path) -> Result<(), ServeError>,
+    ) -> Result<(), ServeError> {
+        let mut inner = lock(&source.inner);
+        if inner.record.state == State::Running && inner.vmm.as_ref().is_none_or(Vmm::exited) {
+            self.note_death(source, &mut inner);
+        }
+        source.touch(self.uptime_ms());
+        // A running source sleeps first: root reads, links and copies what its VMM wrote only
+        // once no process of its uid runs (a live VMM could swap a name for a link under
+        // root's feet, or keep a descriptor to write through), as before every wake.
+        let was_running = match inner.record.state {
+            State::Running => {
+                self.suspend_locked(source, &mut inner)?;
+                true
+            }
+            State::Suspended => false,
+            other => {
+                return Err(ServeError::Conflict(format!(
+                    "sandbox {} is {}: only a running or sleeping sandbox can be forked",
+                    source.name,
+                    other.name()
+                )))
+            }
+        };
+        let snapshot = source.snapshot_dir();
+        let made = check_plain(&snapshot)
+            .and_then(|()| link_snapshot(&snapshot, into))
+            .and_then(|()| prepare(into));
+        if made.is_err() {
+            let _ = std::fs::remove_dir_all(into);
+        }
+        if was_running {
+            // Back as it was; if it cannot wake now, it stays asleep and wakes on its next
+            // request (the fork does not fail for it).
+            if let Err(e) = self.wake(source, &mut inner) {
+                self.event(
+                    "fork_source_asleep",
+                    &source.name,
+                    json!({ "error": e.to_string() }),
+                );
+            }
+        }
+        made
+    }
+
+    /// A sandbox whose VMM ended without being asked is dead: what ran since its last wake is
+    /// gone. Its last snapshot (if it has one) is kept, older than what it lost, and woken
+    /// from only on an explicit `PUT .../resume`, never behind a request's back.
+    pub(crate) fn mark_dead(&self, sandbox: &Sandbox, record: &mut Record, when: &str) {
+        // A jailed VMM outlives its waiter by a moment (it dies of the waiter's death): until
+        // it lets go of its socket, nothing else can serve the sandbox.
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while std::os::unix::net::UnixStream::connect(sandbox.socket()).is_ok()
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        record.pid = None;
+        record.pid_start = None;
+        record.state = State::Dead;
+        let log = log_tail(&crate::files::vmm_log(sandbox.dir()));
+        record.died = Some(if sandbox.snapshot_dir().is_dir() {
+            format!(
+                "its VMM ended {when} ({log}); its last snapshot, from before its last wake, \
+                 is kept: PUT /sandboxes/{}/resume goes back to it (what happened since is lost), \
+                 DELETE removes it",
+                sandbox.name
+            )
+        } else {
+            format!("its VMM ended {when} ({log}) and it has no snapshot: delete it")
+        });
+        self.metrics.vmm_deaths.fetch_add(1, Ordering::Relaxed);
+        self.event("vmm_died", &sandbox.name, json!({ "why": record.died }));
+    }
+
+    /// Mark a sandbox whose VMM has ended on its own: suspended if it has a snapshot to wake
+    /// from, dead if not.
+    pub(crate) fn note_death(&self, sandbox: &Sandbox, inner: &mut Inner) {
+        let Some(mut vmm) = inner.vmm.take() else {
+            return;
+        };
+        vmm.wait_exit(Duration::ZERO);
+        let status = vmm
+            .exit_status()
+            .map(|s| format!(", {s}"))
+            .unwrap_or_default();
+        self.mark_dead(
+            sandbox,
+            &mut inner.record,
+            &format!("(pid {}{status})", vmm.pid()),
+        );
+        let _ = sandbox.save(inner);
+    }
+
+    /// Count a request for a sandbox as activity, wake it if it sleeps, and return its control
+    /// socket: what the request is passed to. The activity lasts until the guard is dropped.
+    pub fn enter<'a>(
+        &'a self,
+        sandbox: &'a Sandbox,
+    ) -> Result<(Activity<'a>, PathBuf), ServeError> {
+        sandbox.active.fetch_add(1, Ordering::SeqCst);
+        let activity = Activity {
+            sandbox,
+            manager: self,
+        };
+        if sandbox.active.load(Ordering::SeqCst) > MAX_REQUESTS_PER_SANDBOX {
+            return Err(ServeError::Busy(format!(
+                "sandbox {} has {MAX_REQUESTS_PER_SANDBOX} requests in progress: try again \
+                 once some have been answered",
+                sandbox.name
+            )));
+        }
+        sandbox.touch(self.uptime_ms());
+        self.ensure_running(sandbox, false)?;
+        Ok((activity, sandbox.socket()))
+    }
+
+    /// Wake the sandbox if it sleeps (one wake however many ask at once).
+    /// `back_to_snapshot`: a dead sandbox with a snapshot goes back to it (an explicit
+    /// `PUT .../resume` only).
+    pub fn ensure_running(
+        &self,
+        sandbox: &Sandbox,
+        back_to_snapshot: bool,
+    ) -> Result<(), ServeError> {
+        let mut inner = lock(&sandbox.inner);
+        if inner.record.state == State::Running && inner.vmm.as_ref().is_none_or(Vmm::exited) {
+            self.note_death(sandbox, &mut inner);
+        }
+        match inner.record.state {
+            State::Running => Ok(()),
+            State::Suspended => self.wake(sandbox, &mut inner),
+            State::Dead if back_to_snapshot && sandbox.snapshot_dir().is_dir() => {
+                self.event("back_to_snapshot", &sandbox.name, json!({}));
+                self.wake(sandbox, &mut inner)
+            }
+            State::Dead => Err(ServeError::Conflict(format!(
+                "sandbox {} is dead: {}",
+                sandbox.name,
+                inner.record.died.as_deref().unwrap_or("its VMM ended")
+            ))),
+            State::Deleting => Err(ServeError::NotFound(format!(
+                "sandbox {} is being deleted",
+                sandbox.name
+            ))),
+            State::Starting | State::Suspending => Err(ServeError::Conflict(format!(
+                "sandbox {} is {}: try again",
+                sandbox.name,
+                inner.record.state.name()
+            ))),
+        }
+    }
+
+    fn wake(&self, sandbox: &Sandbox, inner: &mut Inner) -> Result<(), ServeError> {
+        let start = Instant::now();
+        let spec = inner.record.spec.clone();
+        let jail = inner.record.uid.filter(|_| inner.record.jailed);
+        let started = self.start_vmm(sandbox, &spec, jail, true, &mut |pid, start, bytes| {
+            inner.record.pid = Some(pid);
+            inner.record.pid_start = start;
+            inner.record.guest_bytes = Some(bytes);
+            sandbox.save(inner)
+        });
+        match started {
+            Ok(vmm) => {
+                inner.vmm = Some(vmm);
+                inner.record.died = None;
+                inner.record.state = State::Running;
+                inner.record.wakes += 1;
+                // Paused by its user before it slept: paused again (its snapshot, taken paused,
+                // restores running). If that fails it runs, and says so.
+                if inner.record.vm_paused {
+                    match mayfly_api::request_with_timeout(
+                        &sandbox.socket(),
+                        "PUT",
+                        "/vm/pause",
+                        None,
+                        VMM_REQUEST_TIMEOUT,
+                    ) {
+                        Ok((status, _)) if status < 300 || status == 409 => {}
+                        other => self.event(
+                            "pause_not_kept",
+                            &sandbox.name,
+                            json!({ "error": format!("{other:?}") }),
+                        ),
+                    }
+                    inner.record.vm_paused = false;
+                }
+                let asleep = inner
+                    .record
+                    .suspended_ms
+                    .map(|t| now_ms().saturating_sub(t));
+                inner.record.last_used_ms = now_ms();
+                sandbox.save(inner)?;
+                let took = start.elapsed();
+                self.metrics.wake.observe(took);
+                self.event(
+                    "woke",
+                    &sandbox.name,
+                    json!({ "ms": took.as_secs_f64() * 1e3, "asleep_ms": asleep, "pid": inner.record.pid }),
+                );
+                Ok(())
+            }
+            Err(e) => {
+                inner.record.pid = None;
+                inner.record.pid_start = None;
+                let _ = sandbox.save(inner);
+                self.metrics.wakes_failed.fetch_add(1, Ordering::Relaxed);
+                self.event(
+                    "wake_failed",
+                    &sandbox.name,
+                    json!({ "error": e.to_string() }),
+                );
+                Err(e)
+            }
+        }
+    }
+
+    /// Put a running sandbox to sleep: snapshot it into its directory, then end its VMM (its
+    /// RAM is freed). A sandbox already asleep stays so.
+    pub fn suspend(&self, sandbox: &Sandbox) -> Result<(), ServeError> {
+        let mut inner = lock(&sandbox.inner);
+        self.suspend_locked(sandbox, &mut inner)
+    }
+
+    pub(crate) fn suspend_locked(
+        &self,
+        sandbox: &Sandbox,
+        inner: &mut Inner,
+    ) -> Result<(), ServeError> {
+        if inner.record.state == State::Running && inner.vmm.as_ref().is_none_or(Vmm::exited) {
+            self.note_death(sandbox, inner);
+        }
+        match inner.record.state {
+            State::Running => {}
+            State::Suspended => return Ok(()),
+            other => {
+                return Err(ServeError::Conflict(format!(
+                    "sandbox {} is {}: only a running sandbox can be suspended",
+                    sandbox.name,
+                    other.name()
+                )))
+            }
+        }
+        let _writing = match self.disk.reserve_for_suspend(
+            &sandbox.name,
+            inner.record.guest_bytes.unwrap_or(0),
+            &self.metrics,
+            &|| self.disk_in_use(),
+        ) {
+            Ok(writing) => writing,
+            Err(e) => {
+                self.event(
+                    "suspend_refused",
+                    &sandbox.name,
+                    json!({ "error": e.to_string() }),
+                );
+                // The idle watch tries again after another idle timeout, not at its next
+                // pass.
+                sandbox.touch(self.uptime_ms());
+                return Err(e);
+            }
+        };
+        let start = Instant::now();
+        inner.record.state = State::Suspending;
+        sandbox.save(inner)?;
+        let sock = sandbox.socket();
+        let snapshot = sandbox.snapshot_dir();
+        // A diff over the snapshot it was restored from when that lies in its own `vm/` (its
+        // `base/`, or its own last sleep: a diff must not name a file outside, which its next
+        // wake would refuse).
+        let wakes = inner.record.wakes;
+        let (user_paused, snapped) = pause_and_snapshot(&sock, &snapshot, || {
+            wakes > 0 || sandbox.vm_dir().join(BASE).is_dir()
+        });
+        let report = match snapped {
+            Ok(report) => report,
+            Err(e) => {
+                // It keeps running as it was.
+                let _ = mayfly_api::request_with_timeout(
+                    &sock,
+                    "PUT",
+                    "/vm/resume",
+                    None,
+                    VMM_REQUEST_TIMEOUT,
+                );
+                inner.record.state = State::Running;
+                let _ = sandbox.save(inner);
+                self.metrics.suspends_failed.fetch_add(1, Ordering::Relaxed);
+                self.event("suspend_failed", &sandbox.name, json!({ "error": e }));
+                // The idle watch tries again after another idle timeout, not at its next pass.
+                sandbox.touch(self.uptime_ms());
+                return Err(ServeError::VmmFailed(format!(
+                    "could not snapshot sandbox {} to suspend it: {e}",
+                    sandbox.name
+                )));
+            }
+        };
+        // The snapshot is on disk: the VMM may go however it goes.
+        if let Some(mut vmm) = inner.vmm.take() {
+            vmm.stop(&sock);
+        }
+        inner.record.state = State::Suspended;
+        inner.record.pid = None;
+        inner.record.pid_start = None;
+        inner.record.vm_paused = user_paused;
+        inner.record.suspends += 1;
+        inner.record.suspended_ms = Some(now_ms());
+        sandbox.save(inner)?;
+        let took = start.elapsed();
+        self.metrics.suspend.observe(took);
+        self.event(
+            "suspended",
+            &sandbox.name,
+            json!({
+                "ms": took.as_secs_f64() * 1e3,
+                "disk_bytes": crate::files::disk_bytes(&snapshot),
+                "memory_bytes_written": report.get("memory_bytes_written"),
+                "memory_layers": report.get("memory_layers"),
+                "compacted": report.get("compacted"),
+            }),
+        );
+        Ok(())
+    }
+
+    /// End a sandbox's VMM and remove everything of it.
+    pub fn delete(&self, sandbox: &Sandbox) -> Result<(), ServeError> {
+        let inner = lock(&sandbox.inner);
+        self.delete_locked(sandbox, inner)
+    }
+
+    pub(crate) fn delete_locked(
+        &self,
+        sandbox: &Sandbox,
+        mut inner: MutexGuard<'_, Inner>,
+    ) -> Result<(), ServeError> {
+        // A delete that failed half-way (its directory could not be removed) may be tried
+        // again: it starts over.
+        inner.record.state = State::Deleting;
+        sandbox.save(&inner)?;
+        if let Some(mut vmm) = inner.vmm.take() {
+            vmm.kill();
+        }
+        std::fs::remove_dir_all(sandbox.dir()).map_err(|source| ServeError::Io {
+            what: "remove",
+            path: sandbox.dir().display().to_string(),
+            source,
+        })?;
+        drop(inner);
+        lock(&self.sandboxes).remove(&sandbox.name);
+        self.event("deleted", &sandbox.name, json!({}));
+        Ok(())
+    }
+
+    /// A new token for the sandbox (the old one stops working), or none (`revoke`).
+    pub fn set_token(&self, sandbox: &Sandbox, revoke: bool) -> Result<Option<String>, ServeError> {
+        let mut inner = lock(&sandbox.inner);
+        let token = if revoke {
+            None
+        } else {
+            Some(new_token("mfs_")?)
+        };
+        inner.record.token_sha256 = token.as_deref().map(hash_token);
+        sandbox.save(&inner)?;
+        self.event(
+            if revoke {
+                "token_revoked"
+            } else {
+                "token_minted"
+            },
+            &sandbox.name,
+            json!({}),
+        );
+        Ok(token)
+    }
+}

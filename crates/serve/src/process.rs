@@ -1,0 +1,374 @@
+//! A sandbox's VMM as a process: starting one (`mayfly run` or `mayfly restore`, its pid
+//! saved before anything else, then waited for until its control socket answers), following
+//! it through a pidfd, ending it, finding it again after a manager's restart, reading its
+//! memory use and its log, and asking it to pause and snapshot. Nothing here knows the
+//! manager: what a start needs is given to it.
+
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::error::ServeError;
+use crate::records::Record;
+use crate::util::io_error;
+
+/// How long a new or waking VMM may take to answer on its control socket. A cold boot of a
+/// Linux guest in the test rig takes tens of seconds; a restore on real KVM milliseconds.
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a VMM asked to shut down may take to exit before it is killed.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+/// Requests the manager sends a VMM (pause, snapshot, shutdown).
+pub const VMM_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A sandbox's running VMM.
+pub struct Vmm {
+    pid: u32,
+    pidfd: OwnedFd,
+    /// Set when this manager started it (then it reaps it); an adopted VMM's parent is gone.
+    child: Option<Child>,
+}
+
+/// Whether `fd` becomes readable within `timeout` (a pidfd does once its process exited).
+fn readable(fd: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> bool {
+    let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+    let mut fds = [nix::poll::PollFd::new(&fd, nix::poll::PollFlags::POLLIN)];
+    nix::poll::poll(&mut fds, ms).unwrap_or(0) > 0
+}
+
+impl Vmm {
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    pub fn exited(&self) -> bool {
+        readable(self.pidfd.as_fd(), Duration::ZERO)
+    }
+
+    /// Wait until it has exited (true) or `timeout` passed.
+    pub fn wait_exit(&mut self, timeout: Duration) -> bool {
+        let gone = readable(self.pidfd.as_fd(), timeout);
+        if gone {
+            if let Some(child) = &mut self.child {
+                let _ = child.wait();
+            }
+        }
+        gone
+    }
+
+    /// How it ended, if this manager started it and it has ended.
+    pub fn exit_status(&mut self) -> Option<ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// End it: SIGTERM first (a jailed VMM's waiter hands it on and then clears the jail's
+    /// directory and cgroup), SIGKILL if it has not ended within a few seconds.
+    pub fn kill(&mut self) {
+        mayfly_sys::pidfd::signal(&self.pidfd, libc::SIGTERM);
+        if !self.wait_exit(STOP_TIMEOUT) {
+            mayfly_sys::pidfd::kill(&self.pidfd);
+            self.wait_exit(STOP_TIMEOUT);
+        }
+    }
+
+    /// Ask it to shut down on its socket; kill it if it has not ended in a few seconds.
+    pub fn stop(&mut self, sock: &Path) {
+        let _ = mayfly_api::request_with_timeout(sock, "PUT", "/vm/shutdown", None, STOP_TIMEOUT);
+        if !self.wait_exit(STOP_TIMEOUT) {
+            self.kill();
+        }
+    }
+}
+
+/// Field 22 of /proc/PID/stat: when the process started, in clock ticks since boot; None
+/// for no such process, or one that has ended (a zombie not reaped yet).
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold anything: split after it.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    if matches!(fields.next(), Some("Z" | "X" | "x")) {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
+}
+
+/// The process a record names, if it is still that process: the same pid, started at the
+/// same time (a pid used again by another process is never taken for it).
+pub fn find_process(record: &Record) -> Option<Vmm> {
+    let pid = record.pid?;
+    if record.pid_start.is_none() || start_time(pid) != record.pid_start {
+        return None;
+    }
+    let pidfd = mayfly_sys::pidfd::open(libc::pid_t::try_from(pid).ok()?).ok()?;
+    // Checked again now that the pidfd is held: the pid cannot change hands from here on.
+    if start_time(pid) != record.pid_start {
+        return None;
+    }
+    Some(Vmm {
+        pid,
+        pidfd,
+        child: None,
+    })
+}
+
+/// Resident memory of a process, in bytes.
+fn rss_bytes(pid: u32) -> u64 {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return 0;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(0, |kib| kib << 10)
+}
+
+/// Resident memory of a process and its children (a jailed VMM is its waiter's child).
+pub fn rss_tree_bytes(pid: u32) -> u64 {
+    let children =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    rss_bytes(pid)
+        + children
+            .split_whitespace()
+            .filter_map(|c| c.parse::<u32>().ok())
+            .map(rss_bytes)
+            .sum::<u64>()
+}
+
+/// The last lines of a VMM's log, for an error message.
+pub fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let tail = lines[lines.len().saturating_sub(5)..].join(" | ");
+    if tail.is_empty() {
+        "(its log is empty)".into()
+    } else {
+        tail
+    }
+}
+
+/// A VMM's log, opened to append to: its stdout and its stderr.
+pub struct Log {
+    out: File,
+    err: File,
+}
+
+/// Open (or make, mode 0600) the VMM log at `path`.
+pub fn open_log(path: &Path) -> Result<Log, ServeError> {
+    let out = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io_error("open", path))?;
+    let err = out.try_clone().map_err(io_error("open", path))?;
+    Ok(Log { out, err })
+}
+
+/// How a VMM starts.
+pub enum Start<'a> {
+    /// A boot: `mayfly run` with these options.
+    Boot(Vec<String>),
+    /// A restore of `snapshot`, its disk layers only from within the VMM's `vm/`, and a
+    /// network policy (`--net`) if one is given.
+    Restore {
+        snapshot: &'a Path,
+        net: Option<&'a str>,
+    },
+}
+
+/// What starting a VMM takes.
+pub struct Launch<'a> {
+    /// The mayfly binary.
+    pub mayfly: &'a Path,
+    /// Its name (`--name`), also what its errors call it.
+    pub name: &'a str,
+    pub start: Start<'a>,
+    /// Its control socket.
+    pub sock: &'a Path,
+    pub console: &'a Path,
+    /// Where its log is (opened by the caller), quoted when it fails.
+    pub log_path: &'a Path,
+    /// The directory it shares when jailed and keeps its disk layers in (`disks/`).
+    pub vm_dir: &'a Path,
+    /// Jailed as this uid and gid.
+    pub jail_uid: Option<u32>,
+}
+
+/// Start a VMM and wait for its control socket to answer. `persist` is given its pid and
+/// start time as soon as it runs, before anything else: a manager killed from then on finds
+/// the process in the record (and ends or adopts it) instead of leaving it running unowned.
+pub fn launch(
+    how: &Launch<'_>,
+    log: Log,
+    persist: &mut dyn FnMut(u32, Option<u64>) -> Result<(), ServeError>,
+) -> Result<Vmm, ServeError> {
+    let mut command = Command::new(how.mayfly);
+    match &how.start {
+        Start::Restore { snapshot, net } => {
+            // Layers it names by full path must be its own (see disks::open_for_restore).
+            command
+                .arg("restore")
+                .arg(snapshot)
+                .arg("--disk-layers-within")
+                .arg(how.vm_dir);
+            if let Some(net) = net {
+                command.args(["--net", net]);
+            }
+        }
+        Start::Boot(args) => {
+            command.arg("run").args(args);
+        }
+    }
+    command
+        .arg("--name")
+        .arg(how.name)
+        .arg("--api-sock")
+        .arg(how.sock)
+        .arg("--console")
+        .arg(how.console)
+        .arg("--disk-dir")
+        .arg(how.vm_dir.join("disks"));
+    if let Some(uid) = how.jail_uid {
+        // Its `vm/` is all it shares: its snapshot goes there when it sleeps.
+        command
+            .arg("--jail")
+            .arg("--jail-share")
+            .arg(how.vm_dir)
+            .args([
+                "--jail-uid",
+                &uid.to_string(),
+                "--jail-gid",
+                &uid.to_string(),
+            ]);
+    }
+    command
+        .stdin(Stdio::null())
+        .stdout(log.out)
+        .stderr(log.err)
+        // Its own process group: a Ctrl-C meant for the manager does not stop its VMs.
+        .process_group(0);
+    let child = command.spawn().map_err(io_error("start", how.mayfly))?;
+    let pid = child.id();
+    let pidfd =
+        mayfly_sys::pidfd::open(libc::pid_t::try_from(pid).unwrap_or(-1)).map_err(|source| {
+            ServeError::Io {
+                what: "follow (pidfd_open) the VMM of",
+                path: how.name.to_owned(),
+                source,
+            }
+        })?;
+    let mut vmm = Vmm {
+        pid,
+        pidfd,
+        child: Some(child),
+    };
+    // Saved before anything else: a manager killed from here on finds this process in
+    // the record (and ends or adopts it) instead of leaving it running unowned.
+    if let Err(e) = persist(pid, start_time(pid)) {
+        vmm.kill();
+        return Err(e);
+    }
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if vmm.exited() {
+            vmm.wait_exit(Duration::ZERO);
+            return Err(ServeError::VmmFailed(format!(
+                "the VMM of {} ended before it answered: {}",
+                how.name,
+                log_tail(how.log_path)
+            )));
+        }
+        if let Ok((200, _)) =
+            mayfly_api::request_with_timeout(how.sock, "GET", "/vm", None, Duration::from_secs(5))
+        {
+            return Ok(vmm);
+        }
+        if Instant::now() > deadline {
+            vmm.kill();
+            return Err(ServeError::VmmFailed(format!(
+                "the VMM of {} did not answer within {} s: {}",
+                how.name,
+                START_TIMEOUT.as_secs(),
+                log_tail(how.log_path)
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Pause a VM and snapshot it to `snapshot`, as a suspend does: whether its user had paused
+/// it already (its VMM answers the pause with 409), and the snapshot's report or what
+/// failed. When `diffable` says so (asked once the VM is paused), a diff over the snapshot
+/// it was restored from is tried first (its dirtied pages, not its RAM); a VMM that cannot
+/// make one (a booted VM: its memory is no snapshot's) refuses before writing anything, and
+/// a full snapshot is written instead.
+pub fn pause_and_snapshot(
+    sock: &Path,
+    snapshot: &Path,
+    diffable: impl FnOnce() -> bool,
+) -> (bool, Result<Value, String>) {
+    // Paused first (a snapshot is of a paused VM); a VM paused through its own socket
+    // already is, and says so with 409.
+    let mut user_paused = false;
+    let snapped =
+        match mayfly_api::request_with_timeout(sock, "PUT", "/vm/pause", None, VMM_REQUEST_TIMEOUT)
+        {
+            Ok((status, _)) if status < 300 => Ok(()),
+            Ok((409, _)) => {
+                user_paused = true;
+                Ok(())
+            }
+            Ok((status, body)) => Err(format!("PUT /vm/pause: {status} {body}")),
+            Err(e) => Err(format!("PUT /vm/pause: {e}")),
+        }
+        .and_then(|()| {
+            let take = |diff: bool| {
+                mayfly_api::request_with_timeout(
+                    sock,
+                    "PUT",
+                    "/vm/snapshot",
+                    Some(&json!({ "path": snapshot, "diff": diff })),
+                    VMM_REQUEST_TIMEOUT,
+                )
+            };
+            if diffable() {
+                match take(true) {
+                    Ok((status, _)) if status >= 300 => take(false),
+                    other => other,
+                }
+            } else {
+                take(false)
+            }
+            .map_err(|e| format!("PUT /vm/snapshot: {e}"))
+            .and_then(|(status, body)| {
+                if status < 300 {
+                    Ok(body)
+                } else {
+                    Err(format!("PUT /vm/snapshot: {status} {body}"))
+                }
+            })
+        });
+    (user_paused, snapped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_start_time_tells_a_reused_pid_apart() {
+        let me = std::process::id();
+        assert!(start_time(me).is_some());
+        assert_eq!(start_time(me), start_time(me));
+        assert_eq!(start_time(u32::MAX), None);
+    }
+}
