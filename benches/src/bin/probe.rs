@@ -323,7 +323,7 @@ struct ForkResult {
 
 /// The KVM floor of a fork of `clones`: one single-threaded process that has prepared the
 /// snapshot as a fork's zygote does (state read, memory mapped copy-on-write) fork(2)s one
-/// child per clone, and each child makes the VM in KVM alone ([`restore::Prepared::kvm_only`]:
+/// child per clone, and each child makes the VM in KVM alone ([`mayfly_vmm::persist::restore::Prepared::kvm_only`]:
 /// VM, memory slot, irqchip, PIT, VM state, vCPUs with their state) and stops before its first
 /// KVM_RUN. Everything a mayfly clone does beyond that (devices, threads, seccomp, sockets,
 /// console, identity, reporting) is what the fork costs over KVM here.

@@ -1,13 +1,16 @@
 //! The command line: every subcommand and its options (clap), checked into the VMM's typed
 //! configurations before any VM exists.
+// The doc comments below are clap's help texts, printed as they are (`<name>.sock`,
+// `[:PORT]`): rustdoc would read them as HTML and links.
+#![allow(rustdoc::invalid_html_tags, rustdoc::broken_intra_doc_links)]
 
 use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand};
 use mayfly_vmm::config::{self, RunConfig, DEFAULT_CMDLINE, DEFAULT_MEM_MIB};
+use mayfly_vmm::devices::config::{DevicesConfig, VsockConfig, DEFAULT_GUEST_CID};
 use mayfly_vmm::devices::console::Console;
 use mayfly_vmm::devices::disks::DiskSpec;
-use mayfly_vmm::devices::manager::{self as device_manager, DevicesConfig, VsockConfig};
 use mayfly_vmm::kernel::Image;
 use mayfly_vmm::persist::restore::MemoryMode;
 use mayfly_vmm::{boot, default_guest, identity};
@@ -480,7 +483,7 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "PATH")]
     pub(crate) vsock: Option<PathBuf>,
     /// The guest's vsock CID.
-    #[arg(long, value_name = "CID", default_value_t = device_manager::DEFAULT_GUEST_CID)]
+    #[arg(long, value_name = "CID", default_value_t = DEFAULT_GUEST_CID)]
     pub(crate) vsock_cid: u64,
     /// Boot from a disk: `debian` (the image `rootfs/build.sh debian` builds) or the path of an
     /// ext4 image. It becomes /dev/vda, the root file system, writable through the VM's own
@@ -603,6 +606,12 @@ impl RunArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sandbox_boots_with_the_memory_mayfly_run_boots_with() {
+        // The manager counts a sandbox that names no memory as this much against its budget.
+        assert_eq!(mayfly_serve::DEFAULT_MEM_MIB, DEFAULT_MEM_MIB);
+    }
 
     /// What the two parsers must agree on: every argument a restore reads.
     fn summary(args: &RestoreArgs) -> String {

@@ -12,11 +12,9 @@ pub enum Error {
     #[error(transparent)]
     Kernel(#[from] mayfly_vmm::kernel::KernelError),
     #[error(transparent)]
-    CpuTemplate(#[from] mayfly_vmm::arch::cpuid::CpuTemplateError),
+    CpuTemplate(#[from] mayfly_vmm::config::CpuTemplateError),
     #[error("this mayfly has no built-in guest {0}: build it with guest-kernel/build.sh and rootfs/build.sh and rebuild mayfly (cargo build --release), or pass --kernel and --initrd")]
     NoDefaultGuest(&'static str),
-    #[error("cannot set up signal handling: {0}")]
-    Signals(std::io::Error),
     #[error(transparent)]
     Identity(#[from] mayfly_vmm::identity::IdentityError),
     #[error(transparent)]

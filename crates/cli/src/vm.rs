@@ -6,10 +6,9 @@ use std::process::ExitCode;
 
 use mayfly_sys::trace;
 use mayfly_vmm::controller::Controller;
-use mayfly_vmm::devices::manager::RestoreTargets;
+use mayfly_vmm::devices::config::RestoreTargets;
 use mayfly_vmm::launch::{fail_and_report, serve, with_stop_signals, Raw, Started};
 use mayfly_vmm::persist::restore::{self, Instance, MemoryMode, RestoreConfig, SnapshotSource};
-use mayfly_vmm::persist::zygote;
 use mayfly_vmm::{boot, identity};
 
 use crate::args::{beside_socket, RestoreArgs, RunArgs, ZygoteArgs};
@@ -219,13 +218,5 @@ pub(crate) fn zygote(args: ZygoteArgs) -> ExitCode {
     if std::env::var_os("MAYFLY_TRACE").is_some() {
         trace::enable();
     }
-    if let Err(err) = mayfly_vmm::memory::ram::install_sigbus_handler() {
-        return fail(Error::Signals(err));
-    }
-    ExitCode::from(zygote::serve(
-        args.state_fd,
-        args.memory_fd,
-        args.socket_fd,
-        mayfly_vmm::launch::start_clone,
-    ))
+    mayfly_vmm::launch::zygote(args.state_fd, args.memory_fd, args.socket_fd)
 }

@@ -11,7 +11,7 @@
 //!
 //! Egress policy ([`Policy`]) is enforced with nftables inside the VM's namespace, never in the
 //! guest: anti-spoofing at the tap (the guest's MAC and IP only), then the policy sets on
-//! every forwarded packet (see [`nft`](crate::nft) for the rules), denied attempts rejected
+//! every forwarded packet (see `nft.rs` for the rules), denied attempts rejected
 //! (TCP reset, ICMP admin-prohibited) and counted.
 //!
 //! Nothing leaks when a VMM dies (even by kill -9): a VM's namespace is not bind-mounted

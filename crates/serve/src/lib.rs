@@ -75,4 +75,5 @@ mod server;
 pub use config::{absolute_state_dir, Policy, ServeConfig};
 pub use error::ServeError;
 pub use openapi::{OPENAPI, ROUTES};
+pub use records::DEFAULT_MEM_MIB;
 pub use server::serve;

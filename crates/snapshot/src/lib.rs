@@ -4,7 +4,7 @@
 //! - `state`: a header (magic, format version, architecture, the fingerprint of the host CPU
 //!   and KVM features the state depends on), then the VM's state ([`VmState`]: vCPUs, in-kernel
 //!   interrupt controllers and timer, KVM clock, devices, memory layout), then a checksum of
-//!   everything before it ([`file`]).
+//!   everything before it ([`file`](mod@file)).
 //! - `memory`: guest RAM, byte for byte at the offsets the memory layout gives, written
 //!   sparse (pages of zeros are holes), then a one-page trailer naming the snapshot
 //!   ([`trailer`]).

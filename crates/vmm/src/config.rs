@@ -1,6 +1,6 @@
 //! What `mayfly run` is asked to boot, checked before any VM exists.
 
-use crate::arch::cpuid::CpuTemplate;
+pub use crate::arch::cpuid::{CpuTemplate, CpuTemplateError};
 use crate::arch::mptable::MAX_VCPUS;
 use crate::devices::console::Console;
 use crate::kernel::Image;

@@ -13,7 +13,7 @@ use crate::guest::refresh::Refresh;
 use crate::machine::Machine;
 use crate::persist::fork::ForkError;
 use crate::runtime::Vmm;
-use mayfly_api::{Action, ApiServer, Reply};
+use mayfly_api::{Action, ApiCall, ApiServer, Reply};
 use mayfly_sys::claim::SocketClaim;
 
 /// What the network routes answer for a VM without a NIC.
@@ -49,6 +49,34 @@ pub struct Controller {
     held_for_fork: bool,
 }
 
+/// A way to ask a VM what its control socket would, from any thread of this process: for a
+/// program that embeds mayfly and drives its VM in process. Each request waits for the VM's
+/// answer.
+#[derive(Clone, Debug)]
+pub struct VmHandle(Sender<VmEvent>);
+
+impl VmHandle {
+    /// Ask the VM's controller for `action` and wait for its reply (503 if the VM has ended).
+    /// The reply counts as delivered: a fork's clones run once it is dropped.
+    pub fn request(&self, action: Action) -> Reply {
+        let (reply, replies) = std::sync::mpsc::channel();
+        if self
+            .0
+            .send(VmEvent::Api(ApiCall { action, reply }))
+            .is_err()
+        {
+            return Reply::error(503, "the VM has ended");
+        }
+        match replies.recv() {
+            Ok(reply) => {
+                reply.until_written.delivered();
+                reply
+            }
+            Err(_) => Reply::error(503, "the VM has ended"),
+        }
+    }
+}
+
 /// A fork's held clones run once its answer is written (see [`crate::persist::zygote::Release`]).
 impl mayfly_api::Delivery for crate::persist::zygote::Release {
     fn delivered(&self) {
@@ -77,6 +105,11 @@ impl Controller {
             refresh,
             held_for_fork: false,
         }
+    }
+
+    /// A handle for requests to this VM from other threads of the process.
+    pub fn handle(&self) -> VmHandle {
+        VmHandle(self.event_sender.clone())
     }
 
     /// Hold this restored, paused clone until its fork ends ([`VmEvent::ForkEnded`]). Until
@@ -109,7 +142,7 @@ impl Controller {
             };
             match event {
                 VmEvent::Api(call) => {
-                    let (reply, exit) = self.handle(call.action);
+                    let (reply, exit) = self.act(call.action);
                     let _ = call.reply.send(reply);
                     if let Some(exit) = exit {
                         break exit;
@@ -155,7 +188,7 @@ impl Controller {
     }
 
     /// Answer one control socket request; the second value ends the VM.
-    fn handle(&mut self, action: Action) -> (Reply, Option<VmExit>) {
+    fn act(&mut self, action: Action) -> (Reply, Option<VmExit>) {
         let paused = self.machine.paused();
         match action {
             Action::Describe => (Reply::ok(self.describe()), None),

@@ -1,13 +1,13 @@
 //! What makes one VM different from another copy of it, as its guest sees it.
 //!
-//! - The VM generation ID (ACPI VMGenID, 16 bytes at [`VMGENID_ADDR`]): every restore and every
+//! - The VM generation ID (ACPI VMGenID, 16 bytes at `VMGENID_ADDR`): every restore and every
 //!   clone gets fresh random bytes from the host, and the Generic Event Device's interrupt
 //!   tells the guest to look. Linux's vmgenid driver then mixes the new ID into its RNG and
 //!   reseeds it (`add_vmfork_randomness`), so two clones of one snapshot stop producing the
 //!   same random numbers. The reseed runs in the guest's ACPI notify work, microseconds after
 //!   the clone resumes; user space that copied random bytes before the snapshot (a PRNG seeded
 //!   at start-up, a cached key) keeps them and must reseed itself.
-//! - The identity page ([`IDENTITY_PAGE_ADDR`], described in the DSDT as device MIDT): text the
+//! - The identity page (`IDENTITY_PAGE_ADDR`, described in the DSDT as device MIDT): text the
 //!   guest can read through /dev/mem (`mayfly-identity` in the default rootfs), with the VM's
 //!   name, its clone index, its parent's name, and how many restores it descends from.
 //!

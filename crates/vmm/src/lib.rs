@@ -1,14 +1,19 @@
 //! mayfly: a KVM virtual machine monitor for microVMs.
 //!
+//! The public modules are the API (see docs/embedding.md): configure a VM ([`config`],
+//! [`devices`]), make it ([`boot`], [`persist::restore`], [`persist::standby`]), drive it
+//! ([`runtime::Vmm`], [`controller::Controller`]), run it as a process ([`launch`]), reach its
+//! guest ([`guest`]). The machine, vCPUs, memory and x86 specifics are the crate's own.
+//!
 //! Where to start reading:
-//! - [`boot`]: the boot path, from a [`config::RunConfig`] to a running [`machine::Machine`].
+//! - [`boot`]: the boot path, from a [`config::RunConfig`] to a running VM.
 //! - [`persist::capture`]: the snapshot path, from a paused VM to a directory on disk.
 //! - [`persist::restore`]: the restore path, from a snapshot directory to a running VM.
 //! - [`persist::fork`]: the fork path, from a running VM to N running clones.
 //! - [`controller`]: the one thread that decides: it answers the control socket's requests
 //!   (`mayfly_api`) and acts on the machine.
-//! - [`vcpu`]: the vCPU threads and how they are paused, stopped and kicked.
-//! - [`vm`]: the KVM VM itself.
+//! - `vcpu.rs`: the vCPU threads and how they are paused, stopped and kicked.
+//! - `vm.rs`: the KVM VM itself; `machine.rs`: the VM with its memory and devices.
 // Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
 // why it cannot.
 #![cfg_attr(
@@ -23,26 +28,29 @@
 #[cfg(not(target_arch = "x86_64"))]
 compile_error!("mayfly supports x86-64 hosts only");
 
-pub mod arch;
+// The public API: what the `mayfly` command and a program that embeds mayfly use (see
+// docs/embedding.md). The rest is the VMM's own.
 pub mod boot;
 pub mod config;
 pub mod controller;
 pub mod devices;
-pub mod diagnostics;
 pub mod event;
 pub mod guest;
 pub mod identity;
 pub mod kernel;
 pub mod launch;
-pub mod machine;
-pub mod memory;
 pub mod persist;
 pub mod runtime;
 pub mod settings;
 pub mod signals;
-pub mod trace;
-pub mod vcpu;
-pub mod vm;
+
+mod arch;
+mod diagnostics;
+mod machine;
+mod memory;
+mod trace;
+mod vcpu;
+mod vm;
 
 /// The guest kernel and initramfs built into this binary, if they were built before it.
 pub mod default_guest {

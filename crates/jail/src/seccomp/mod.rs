@@ -28,7 +28,7 @@
 //! `off` installs none. Enforcing became the default once the whole guest suite passed with
 //! it: the enforcing runs found, besides FIONBIO, TUNSETOFFLOAD and timerfd_settime, glibc's
 //! own calls on a filtered thread's behalf: the setxid broadcast when the jail drops
-//! credentials, and malloc opening /proc/sys/vm/overcommit_memory (see [`policy`]).
+//! credentials, and malloc opening /proc/sys/vm/overcommit_memory (see `policy` below).
 //!
 //! Arguments are checked where it matters: a vCPU thread may only issue KVM ioctls (type
 //! 0xAE), FIONBIO and TUNSETOFFLOAD; the lazy-memory handler userfaultfd's ioctls (type 0xAA)

@@ -44,3 +44,6 @@ pub struct RestoreTargets {
     /// Where the NIC's network is made (if the snapshot has a NIC), and with what.
     pub net: NetTargets,
 }
+
+/// The guest CID a VM's vsock device has unless told otherwise.
+pub const DEFAULT_GUEST_CID: u64 = 3;

@@ -38,7 +38,7 @@ use mayfly_network::VmNetwork;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::layout::{GED_GSI, IOAPIC_PINS};
-pub use crate::devices::config::{DevicesConfig, RestoreTargets, VsockConfig};
+pub use crate::devices::config::{DevicesConfig, RestoreTargets};
 use crate::devices::disks::{self, DiskSetupError};
 pub use crate::devices::error::DeviceError;
 use crate::devices::net::{self, NetSetupError};
@@ -51,8 +51,6 @@ pub const VIRTIO_MMIO_START: u64 = PROBE_ADDR + PROBE_SIZE;
 pub const VIRTIO_MMIO_END: u64 = VIRTIO_MMIO_START + 0x100_0000;
 /// The first interrupt line for virtio devices: 4 is COM1, 5 the Generic Event Device.
 pub const FIRST_VIRTIO_GSI: u32 = 6;
-/// The guest CID a VM's vsock device has unless told otherwise.
-pub const DEFAULT_GUEST_CID: u64 = 3;
 
 /// Hands out MMIO windows and interrupt lines, and takes back those a restored VM already has.
 struct ResourceAllocator {

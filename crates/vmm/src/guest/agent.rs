@@ -1,10 +1,10 @@
-//! The guest agent (`mayfly-agent`, see rootfs/agent and its PROTOCOL.md) from the host: one
+//! The guest agent (`mayfly-agent`, see agent/guest and agent/PROTOCOL.md) from the host: one
 //! vsock connection per operation, through the VM's vsock socket (`CONNECT <port>\n`, answered
 //! `OK <host port>\n`). This is the library API that platforms embedding mayfly use, and what
 //! `mayfly exec`, `mayfly cp` and the control socket's exec and file routes are built on.
 //!
 //! After every restore and in every clone, the VMM refreshes the guest through the agent
-//! ([`spawn_refresh`]): wall clock from the host, fresh entropy, hostname, identity, and the
+//! ([`crate::guest::refresh::spawn_refresh`]): wall clock from the host, fresh entropy, hostname, identity, and the
 //! guest's own hook scripts. Requests that go through the control socket wait for it.
 
 use std::io::{Read, Write};

@@ -6,7 +6,7 @@
 //!    [`crate::devices::disks`]): metadata only, whatever they hold.
 //! 2. Write guest RAM sparse: a page is written only if it holds something other than zeros.
 //!    Pages this process has mapped are read from the mapping; the others from the file behind
-//!    guest RAM (see [`GuestRam::backing`]), so pages the guest never touched cost nothing.
+//!    guest RAM (see `GuestRam::backing`), so pages the guest never touched cost nothing.
 //! 3. Write both files into a temporary directory, fsync them, and rename it into place
 //!    (exchanging it with an older snapshot of the same name, which is then deleted): an
 //!    interrupted snapshot never damages an older one. The temporary directory is locked
@@ -115,7 +115,7 @@ pub struct SnapshotReport {
 }
 
 /// Snapshot the (paused) VM into `dest`; with `diff`, only the pages written since it was
-/// restored, over the snapshot it was restored from (see [`crate::memory::diff`]).
+/// restored, over the snapshot it was restored from (see `memory/diff.rs`).
 pub fn create(
     vm: &Machine,
     dest: &Path,

@@ -2,7 +2,7 @@
 //! its own control socket, console and name.
 //!
 //! 1. Pause the parent and read its state (as a snapshot does).
-//! 2. Freeze its memory into an immutable base ([`GuestRam::freeze`]): a VM whose RAM is a
+//! 2. Freeze its memory into an immutable base (`GuestRam::freeze`): a VM whose RAM is a
 //!    memfd hands over that memfd as is, with no copy, and carries on with a private
 //!    (copy-on-write) mapping of it; any other VM first writes its memory, sparse, into a new
 //!    memfd. The parent and every clone map the base privately: clean pages stay shared

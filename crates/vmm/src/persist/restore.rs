@@ -1,4 +1,4 @@
-//! The restore path, start to finish: from a snapshot directory to a running [`Vm`].
+//! The restore path, start to finish: from a snapshot directory to a running VM.
 //!
 //! 1. Open the snapshot directory once and both files inside it (regular files only), read the
 //!    state file with a size cap, and check it (format, checksum, architecture, host

@@ -44,7 +44,7 @@ mod serve;
 mod shared;
 mod start;
 
-pub use options::{LazyError, LazyOptions, LazyStats, DEFAULT_BLOCK_SIZE};
+pub use options::{LazyError, LazyOptions};
 pub use start::{start, LazyMemory};
 
 #[cfg(test)]

@@ -62,7 +62,7 @@ impl Reporter {
 }
 
 /// A clone's end of its fork's socket, kept once it is ready: the forking VMM closes its own
-/// end once every clone of the fork is ready and its answer is written, with [`Message::Go`]
+/// end once every clone of the fork is ready and its answer is written, with `Message::Go`
 /// queued (and kills them all if one fails), and the clone is held paused until then.
 ///
 /// Why: clones that run while the rest of their fork is still being made compete with it for
@@ -78,7 +78,7 @@ pub struct ForkEnd(pub(crate) UnixDatagram);
 impl ForkEnd {
     /// Block until the forking VMM has closed its end of the socket (poll for the hang-up
     /// only: the zygote, which shares this end, reads the messages on it), then close this
-    /// clone's end. Returns whether the fork succeeded: the VMM queued [`Message::Go`] before
+    /// clone's end. Returns whether the fork succeeded: the VMM queued `Message::Go` before
     /// closing (it is looked at, not taken: every clone of the fork reads the same queue).
     /// Without it the forking VMM ended mid-fork or its answer reached nobody: nobody was told
     /// of this clone, and it must not run.
@@ -371,7 +371,7 @@ pub(crate) fn become_clone(
         console: Console::Log(clone.console_log.clone()),
         console_input: Some(clone.console_input.clone()),
         api_sock: Some(clone.api_sock.clone()),
-        // Held until the fork has every clone ready (see [`ForkEnd`]).
+        // Held until the fork has every clone ready (see [`crate::persist::zygote::ForkEnd`]).
         paused: true,
         name: Some(clone.name.clone()),
         clone_of: Some((parent, clone.index)),

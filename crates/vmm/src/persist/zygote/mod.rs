@@ -4,7 +4,7 @@
 //!
 //! 1. The forking VMM starts `mayfly zygote` (one exec per fork, whatever the clone count),
 //!    passing it the fork's state, its memory base and one end of a socket pair.
-//! 2. The zygote prepares the restore once ([`restore::prepare`]): reads and checks the
+//! 2. The zygote prepares the restore once ([`crate::persist::restore::prepare`]): reads and checks the
 //!    state, opens KVM and checks the state against it, maps the memory base copy-on-write.
 //!    It never starts a thread: only a single-threaded process can fork(2) and let the child
 //!    go on allocating, opening and starting threads as any process does.
@@ -17,7 +17,7 @@
 //!    have been recycled.
 //! 4. When every clone is ready, the forking VMM kills the zygote (it has answered every
 //!    request; the clones no longer die with it), writes the fork's answer, then queues
-//!    [`Message::Go`] and closes its end: every clone runs ([`ForkEnd`]) and lives on. A
+//!    `Message::Go` and closes its end: every clone runs ([`ForkEnd`]) and lives on. A
 //!    clone that sees the end close without the word (the forking VMM died, or its answer
 //!    reached nobody) stops.
 //!

@@ -60,9 +60,9 @@ impl Drop for Zygote {
     }
 }
 
-/// A fork's clones, every one ready and held: dropped, it lets them go (queues [`Message::Go`]
+/// A fork's clones, every one ready and held: dropped, it lets them go (queues `Message::Go`
 /// and closes the forking VMM's end of the fork's socket; each clone sees the hang-up and the
-/// word: see [`ForkEnd`]) if the fork's answer reached its client ([`Release::delivered`]), and
+/// word: see [`crate::persist::zygote::ForkEnd`]) if the fork's answer reached its client ([`Release::delivered`]), and
 /// otherwise closes without the word, so that the clones stop: nobody knows of them. Kept
 /// until the fork's answer is written, so that the answer does not wait for the CPU behind
 /// thousands of clones resuming at once; a request into a held clone's guest waits for it.
