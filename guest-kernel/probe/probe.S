@@ -4,6 +4,8 @@
  * to set up its own page tables and GDT, and then runs in user mode (CPL3), where KVM runs it
  * natively even on hosts that emulate guest kernel code.
  *
+ * At CPL0 it also writes console=BYTES bytes to the serial port, if the command line asks.
+ *
  * In user mode it
  *   1. writes a pattern word into every 4 KiB page from 4 MiB to the end of low RAM
  *      (from the e820 map), and reports BOOTED (pages) and WRITTEN (checksum);
@@ -101,6 +103,39 @@ _start:
     div     %rcx
     mov     %rax, touch_pages(%rip)
 
+    /* console=BYTES from the command line: that many bytes ('x') written to the serial port
+     * (COM1's data register) now, at CPL0: a guest that floods its console, for the tests of
+     * the console's cap. */
+    xor     %r9, %r9
+    movl    ZERO_PAGE_CMDLINE(%rsi), %edi
+    test    %edi, %edi
+    jz      13f
+10: movb    (%rdi), %al
+    test    %al, %al
+    jz      13f
+    cmpl    $0x736e6f63, (%rdi)         /* "cons" */
+    jne     12f
+    cmpl    $0x3d656c6f, 4(%rdi)        /* "ole=" */
+    jne     12f
+    add     $8, %rdi
+11: movzbl  (%rdi), %eax
+    sub     $'0', %eax
+    cmp     $9, %eax
+    ja      13f
+    imul    $10, %r9
+    add     %rax, %r9
+    inc     %rdi
+    jmp     11b
+12: inc     %rdi
+    jmp     10b
+13: mov     $0x3f8, %dx
+    mov     $'x', %al
+14: test    %r9, %r9
+    jz      15f
+    outb    %al, %dx
+    dec     %r9
+    jmp     14b
+15:
     /* iretq to user mode, interrupts off: nothing can interrupt a CPL3 loop. */
     lea     user_stack_top(%rip), %rax
     pushq   $0x23                       /* user data, RPL 3 */

@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::time::Duration;
 
+use mayfly_snapshot::VmState;
 use mayfly_tests::guest::{mayfly_output, request, Guest, TestDir};
 use mayfly_tests::probe;
 use serde_json::{json, Value};
@@ -130,6 +131,64 @@ fn a_diff_holds_only_the_pages_written_since_the_restore_and_restores_whole() {
     }
     let err = restore_refused(&damaged, &[]);
     assert!(err.contains("memory layer"), "{err}");
+
+    crafted_chains_are_refused(&dir, &d1);
+}
+
+/// Crafted copies of the diff `d1` (a state file with a valid checksum, written by a VMM the
+/// restorer does not trust) are refused before any guest runs.
+fn crafted_chains_are_refused(dir: &TestDir, d1: &Path) {
+    let bytes = std::fs::read(d1.join("state")).unwrap();
+    let (header, state): (mayfly_snapshot::Header, VmState) =
+        mayfly_snapshot::file::decode(&bytes, "state").unwrap();
+    let layer_name = d1
+        .join("memory-layers")
+        .read_dir()
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .file_name();
+
+    // A layer in memory-layers/ that is a symbolic link to a file outside the snapshot (the
+    // very file it was linked from, so nothing else is wrong with it).
+    let linked = dir.join("d-linked");
+    std::fs::create_dir_all(linked.join("memory-layers")).unwrap();
+    for name in ["state", "memory"] {
+        std::fs::copy(d1.join(name), linked.join(name)).unwrap();
+    }
+    std::os::unix::fs::symlink(
+        dir.join("full").join("memory"),
+        linked.join("memory-layers").join(&layer_name),
+    )
+    .unwrap();
+    let err = restore_refused(&linked, &[]);
+    assert!(
+        err.contains("cannot be opened inside the snapshot"),
+        "{err}"
+    );
+
+    // A chain whose full bottom layer is the snapshot's own sparse memory file: its holes
+    // would be mapped as the guest's RAM.
+    let own = dir.join("d-own");
+    std::fs::create_dir_all(own.join("memory-layers")).unwrap();
+    std::fs::copy(d1.join("memory"), own.join("memory")).unwrap();
+    let own_name = mayfly_snapshot::layer_file_name(&state.snapshot_id);
+    std::fs::hard_link(
+        own.join("memory"),
+        own.join("memory-layers").join(&own_name),
+    )
+    .unwrap();
+    let mut edited = state.clone();
+    edited.memory_layers[0].path = Path::new("memory-layers").join(&own_name);
+    edited.memory_layers[0].snapshot_id = state.snapshot_id;
+    std::fs::write(
+        own.join("state"),
+        mayfly_snapshot::file::encode(&header, &edited).unwrap(),
+    )
+    .unwrap();
+    let err = restore_refused(&own, &[]);
+    assert!(err.contains("this snapshot itself"), "{err}");
 }
 
 /// `mayfly restore DIR ARGS` must fail: what it printed on stderr.

@@ -281,12 +281,32 @@ fn a_snapshot_refuses_to_restore_over_a_changed_base_or_damaged_layers() {
     copy_snapshot(&snap, &copy);
     let ours = layers_in(&copy.join("disks")).remove(0);
     std::fs::copy(layers_in(&other_snap.join("disks")).remove(0), &ours).unwrap();
-    assert_contains(&restore(&copy), "is not the one the snapshot saw");
+    let stderr = restore(&copy);
+    assert_contains(&stderr, "is not the one the snapshot saw");
+    // What the file in its place is stays unsaid (the snapshot's writer may not read it).
+    let foreign = LayerInfo::read(&ours).unwrap().id.to_string();
+    assert!(!stderr.contains(&foreign), "{stderr}");
+    // A layer in disks/ that is a symbolic link to a file outside the snapshot (a copy of the
+    // right layer, so nothing else is wrong with it): refused, whatever the file holds.
+    let copy = dir.join("snap-linked");
+    copy_snapshot(&snap, &copy);
+    let layer = layers_in(&copy.join("disks")).remove(0);
+    let outside = dir.join("outside.layer");
+    std::fs::rename(&layer, &outside).unwrap();
+    std::os::unix::fs::symlink(&outside, &layer).unwrap();
+    assert_contains(
+        &restore(&copy),
+        "cannot be opened inside its disks/ directory",
+    );
     // The base changed since the snapshot.
     let mut data = std::fs::read(&base).unwrap();
     data[4096] ^= 0xff;
     std::fs::write(&base, data).unwrap();
-    assert_contains(&restore(&snap), "is not the one the disk was made on");
+    let stderr = restore(&snap);
+    assert_contains(&stderr, "is not the one the disk was made on");
+    // The digest of the file now at the base's path stays unsaid: an oracle over host files.
+    let now = mayfly_vmm::devices::disks::base_identity(&base).unwrap();
+    assert!(!stderr.contains(&now), "{stderr}");
 }
 
 /// A copy of a snapshot directory (its layers copied, not linked, so they can be damaged).

@@ -152,7 +152,10 @@ fn seccomp_child() {
             Some("console") => ThreadKind::Console,
             _ => ThreadKind::Device,
         };
-        install(kind).expect("install the filter");
+        // A "fork-" case installs its filter in the child it forks.
+        if !case.starts_with("fork-") {
+            install(kind).expect("install the filter");
+        }
         // SAFETY: plain system calls on a bad descriptor, making a socket, or forking a child
         // that exits at once; no memory effects in this process.
         let rc = unsafe {
@@ -191,6 +194,46 @@ fn seccomp_child() {
                 "lazy-socket" => libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0),
                 // The console's input reads and queues; no ioctl.
                 "console-ioctl" => libc::ioctl(-1, libc::TCGETS),
+                // Signals to this process's own threads (signal 0: nothing delivered)...
+                "device-tgkill-own" => libc::syscall(
+                    libc::SYS_tgkill,
+                    libc::getpid(),
+                    libc::syscall(libc::SYS_gettid),
+                    0,
+                ) as i32,
+                // ... never to another process (an unjailed VMM is root).
+                "device-tgkill-other" => libc::syscall(libc::SYS_tgkill, 1, 1, 0) as i32,
+                // A process forked after the filters were compiled (a fork's clone) binds
+                // them to itself: its own threads may be signalled, its parent may not.
+                "fork-tgkill" => {
+                    mayfly_jail::seccomp::prepare().expect("compile the filters");
+                    let parent = libc::getpid();
+                    let pid = libc::fork();
+                    if pid == 0 {
+                        if install(ThreadKind::Device).is_err() {
+                            libc::_exit(2);
+                        }
+                        let own = libc::syscall(
+                            libc::SYS_tgkill,
+                            libc::getpid(),
+                            libc::syscall(libc::SYS_gettid),
+                            0,
+                        );
+                        if own != 0 {
+                            libc::_exit(3);
+                        }
+                        // Ends the child with SIGSYS.
+                        libc::syscall(libc::SYS_tgkill, parent, parent, 0);
+                        libc::_exit(4);
+                    }
+                    let mut status = 0;
+                    libc::waitpid(pid, &mut status, 0);
+                    if libc::WIFSIGNALED(status) {
+                        100 + libc::WTERMSIG(status)
+                    } else {
+                        libc::WEXITSTATUS(status)
+                    }
+                }
                 other => panic!("unknown case {other}"),
             }
         };
@@ -245,6 +288,25 @@ fn a_forbidden_call_from_a_filtered_thread_ends_the_process_with_sigsys() {
     assert_killed_by_sigsys(
         "console-ioctl",
         "a console input thread made system call 16",
+    );
+    assert_killed_by_sigsys(
+        "device-tgkill-other",
+        &format!("a device thread made system call {}", libc::SYS_tgkill),
+    );
+}
+
+/// tgkill reaches this process's own threads only: the filters bind the process that
+/// installs them, a fork's clone included.
+#[test]
+fn signals_reach_only_the_processes_own_threads() {
+    let (status, stderr) = child("device-tgkill-own");
+    assert!(status.success(), "{status:?}: {stderr}");
+    assert!(stderr.contains("the call returned 0 "), "{stderr}");
+    let (status, stderr) = child("fork-tgkill");
+    assert!(status.success(), "{status:?}: {stderr}");
+    assert!(
+        stderr.contains(&format!("the call returned {} ", 100 + libc::SIGSYS)),
+        "the forked child's own tgkill failed, or its parent's went through: {stderr}"
     );
 }
 

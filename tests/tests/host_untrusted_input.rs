@@ -494,3 +494,69 @@ fn only_a_vm_asked_to_have_the_probe_device_has_it() {
     vm.signal(libc::SIGTERM);
     vm.wait_exit(TIMEOUT);
 }
+
+/// A guest that writes to its console without end fills no disk: a console file takes
+/// `MAYFLY_CONSOLE_LIMIT` bytes, then one line saying the rest was dropped, and the VM runs on.
+#[test]
+fn a_guest_flooding_its_console_fills_only_its_limit() {
+    let dir = TestDir::new("console-cap");
+    let console = dir.join("console.log");
+    let sock = dir.join("vm.sock");
+    let mut guest = Guest::start_with(
+        Command::new(mayfly_bin())
+            .args([
+                "run",
+                "--probe",
+                "--kernel",
+                probe::ELF,
+                "--mem-mib",
+                "32",
+                "--cmdline",
+                "touch=1 console=20000",
+                "--console",
+            ])
+            .arg(&console)
+            .arg("--api-sock")
+            .arg(&sock)
+            .env("MAYFLY_CONSOLE_LIMIT", "4K"),
+    );
+    assert!(
+        guest.wait_stderr("mayfly-probe: waiting", probe::TIMEOUT),
+        "the probe did not boot: {}",
+        guest.stderr()
+    );
+    // The guest wrote all 20,000 bytes before it got here.
+    let log = std::fs::read_to_string(&console).unwrap();
+    assert_eq!(log.matches('x').count(), 4096, "{}", log.len());
+    assert!(
+        log.ends_with(
+            "[mayfly: the console reached its limit of 4096 bytes (MAYFLY_CONSOLE_LIMIT); \
+             the rest of the guest's output is dropped]\n"
+        ),
+        "{}",
+        &log[4096..]
+    );
+    assert_eq!(request(&sock, "GET", "/vm", None).0, 200);
+    guest.signal(libc::SIGTERM);
+    guest.wait_exit(probe::TIMEOUT);
+
+    // A limit that is not a size is refused at the start, saying what to give.
+    let out = Command::new(mayfly_bin())
+        .args([
+            "run",
+            "--probe",
+            "--kernel",
+            probe::ELF,
+            "--console",
+            "/dev/null",
+        ])
+        .env("MAYFLY_CONSOLE_LIMIT", "lots")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("MAYFLY_CONSOLE_LIMIT=\"lots\" is not a size"),
+        "{stderr}"
+    );
+}

@@ -13,7 +13,7 @@ use mayfly_vmm::{boot, identity};
 
 use crate::args::{beside_socket, RestoreArgs, RunArgs, ZygoteArgs};
 use crate::error::fail;
-use crate::error::Error;
+use crate::error::{EnvError, Error};
 
 /// Enter the jail if asked (see vmm/src/jail.rs): returns in the jailed VMM, or with the
 /// error that kept it from being made; the process that called it waits outside and exits
@@ -52,13 +52,14 @@ pub(crate) fn raise_descriptor_limit() {
 /// - `MAYFLY_SECCOMP`: `on` (the default), `log` or `off` (see `mayfly_jail::seccomp`);
 /// - `MAYFLY_KVM_DEVICE`: another KVM device node than /dev/kvm;
 /// - `MAYFLY_CACHE`: where the build scripts keep images (default `~/.cache/mayfly`);
+/// - `MAYFLY_CONSOLE_LIMIT`: the most a console file takes (bytes, or with K, M, G);
 /// - `MAYFLY_FORK_COPY`, `MAYFLY_FORK_IN_FLIGHT`: the fork's measuring knobs (see
 ///   `mayfly_vmm::settings`);
 /// - `MAYFLY_TRACE` (a fork's zygote): every clone prints its phases.
 ///
 /// A bad `MAYFLY_SECCOMP` is said now, before anything starts (a filtered thread that met it
 /// later could only end the process).
-pub(crate) fn take_environment() -> Result<(), mayfly_jail::seccomp::SeccompError> {
+pub(crate) fn take_environment() -> Result<(), EnvError> {
     let var = |name| std::env::var_os(name).filter(|v| !v.is_empty());
     let seccomp = std::env::var("MAYFLY_SECCOMP")
         .unwrap_or_default()
@@ -73,6 +74,14 @@ pub(crate) fn take_environment() -> Result<(), mayfly_jail::seccomp::SeccompErro
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .filter(|&n| n > 0),
+        console_limit: match var("MAYFLY_CONSOLE_LIMIT") {
+            None => None,
+            Some(v) => Some(
+                v.to_str()
+                    .and_then(crate::error::parse_size)
+                    .ok_or_else(|| EnvError::ConsoleLimit(v.to_owned()))?,
+            ),
+        },
     });
     Ok(())
 }

@@ -131,6 +131,24 @@ impl VmState {
                     .ok_or("a second full memory layer")?,
             )?;
         }
+        // Each layer a different snapshot, none of them this one: a chain that names the
+        // snapshot itself (or one layer twice) would map a diff's holes as RAM.
+        let mut ids = vec![self.snapshot_id];
+        for layer in &self.memory_layers {
+            if ids.contains(&layer.snapshot_id) {
+                return Err(format!(
+                    "the memory layer {:?} is {} (snapshot {})",
+                    layer.path,
+                    if layer.snapshot_id == self.snapshot_id {
+                        "this snapshot itself"
+                    } else {
+                        "named twice in the chain"
+                    },
+                    layer_file_name(&layer.snapshot_id)
+                ));
+            }
+            ids.push(layer.snapshot_id);
+        }
         for layer in &self.memory_layers {
             if layer.path.is_relative() && layer_name(&layer.path).is_none() {
                 return Err(format!(
@@ -367,6 +385,11 @@ mod tests {
             let layer = s.memory_layers[1].clone();
             s.memory_layers.resize(MAX_MEMORY_LAYERS + 1, layer);
         });
+        // The snapshot itself at the bottom of its own chain, or one layer named twice.
+        let err = bad(&|s| s.memory_layers[0].snapshot_id = s.snapshot_id);
+        assert!(err.contains("this snapshot itself"), "{err}");
+        let err = bad(&|s| s.memory_layers[1].snapshot_id = s.memory_layers[0].snapshot_id);
+        assert!(err.contains("named twice"), "{err}");
         // Layers under a full memory file.
         bad(&|s| s.memory_extents = None);
         let mut full = state.clone();

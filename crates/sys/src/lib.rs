@@ -3,6 +3,7 @@
 //! phase traces. Nothing here knows about VMs: it is the layer below all of them.
 
 pub mod atomic;
+pub mod beneath;
 pub mod claim;
 pub mod extents;
 pub mod mountinfo;

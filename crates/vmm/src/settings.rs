@@ -1,7 +1,9 @@
 //! What a VMM process is told once, at its start, rather than per VM: which KVM device to open,
-//! where the build scripts cache images, and two knobs kept to measure the fork. The `mayfly`
-//! command reads them from its environment (`MAYFLY_KVM_DEVICE`, `MAYFLY_CACHE`,
-//! `MAYFLY_FORK_COPY`, `MAYFLY_FORK_IN_FLIGHT`) in `main` and hands them over with [`set`];
+//! where the build scripts cache images, how much console output a file takes, and two knobs
+//! kept to measure the fork. The `mayfly` command reads them from its environment
+//! (`MAYFLY_KVM_DEVICE`, `MAYFLY_CACHE`, `MAYFLY_CONSOLE_LIMIT`, `MAYFLY_FORK_COPY`,
+//! `MAYFLY_FORK_IN_FLIGHT`) in `main` and hands them over with [`set`]; a fork's zygote
+//! inherits the environment, so its clones have their parent's settings;
 //! nothing below reads the environment. An embedder sets them the same way, or keeps the
 //! defaults.
 
@@ -21,6 +23,10 @@ pub struct Settings {
     pub fork_copy: bool,
     /// How many clones a fork has starting at once (default: four per host CPU).
     pub fork_in_flight: Option<usize>,
+    /// The most bytes of guest console output a console file (`--console PATH`, a clone's
+    /// console log) takes; what the guest writes past it is dropped, after one line saying
+    /// so. None: no limit. The console on stdout is never cut.
+    pub console_limit: Option<u64>,
 }
 
 impl Default for Settings {
@@ -30,6 +36,7 @@ impl Default for Settings {
             cache_dir: None,
             fork_copy: false,
             fork_in_flight: None,
+            console_limit: None,
         }
     }
 }

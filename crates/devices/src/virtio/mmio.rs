@@ -18,6 +18,9 @@ use super::{new_queues, GuestMemory, Interrupt, QueueSnapshot, VirtioDevice};
 use crate::bus::{lock, BusDevice};
 use crate::persist::Persist;
 
+/// How many refused driver setups a VMM logs (see `set_status`).
+const MAX_SETUP_REFUSALS_LOGGED: u32 = 8;
+
 /// "virt", little-endian.
 const MAGIC: u32 = 0x7472_6976;
 const VERSION: u32 = 2;
@@ -194,8 +197,18 @@ impl MmioTransport {
             }
             self.status = status;
             if let Err(err) = self.activate() {
-                // Logged once per reset: the driver is at fault, the VM goes on.
-                eprintln!("mayfly: a virtio device refused its driver's setup: {err}");
+                // The driver is at fault, the VM goes on. Logged for the first few only: a
+                // driver that resets and tries again without end must not fill the VMM's
+                // log (it is on the host's disk, and not the guest's to fill).
+                static LOGGED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                let n = LOGGED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if n < MAX_SETUP_REFUSALS_LOGGED {
+                    eprintln!("mayfly: a virtio device refused its driver's setup: {err}");
+                } else if n == MAX_SETUP_REFUSALS_LOGGED {
+                    eprintln!(
+                        "mayfly: a virtio device refused its driver's setup again; further refusals are not logged"
+                    );
+                }
                 self.status |= VIRTIO_CONFIG_S_NEEDS_RESET;
                 let _ = self.interrupt.signal_config_change();
             }

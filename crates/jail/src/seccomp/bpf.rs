@@ -239,6 +239,26 @@ fn search_tree(sorted: &[u32], out: &mut Vec<TreeInsn>) {
     search_tree(&sorted[mid..], out);
 }
 
+/// A condition's value that stands for the process that installs the filter (its PID, which
+/// a filter cannot read): programs are compiled once and copied into a fork's clones, each a
+/// process of its own, so the value is put in at install time by [`for_process`]. Above the
+/// kernel's largest PID (`PID_MAX_LIMIT`, 2^22), so no real PID is taken for it.
+pub const THIS_PROCESS: u32 = 0x7fff_fff1;
+
+/// `program` with every comparison to [`THIS_PROCESS`] made against `pid`.
+pub fn for_process(program: &[sock_filter], pid: u32) -> BpfProgram {
+    program
+        .iter()
+        .map(|insn| {
+            let mut insn = insn.clone();
+            if insn.code == BPF_JMP_JEQ_K && insn.k == THIS_PROCESS {
+                insn.k = pid;
+            }
+            insn
+        })
+        .collect()
+}
+
 /// The program for `policy`.
 pub fn compile(policy: &Policy) -> Result<BpfProgram, String> {
     let mut out = vec![
@@ -503,6 +523,40 @@ mod tests {
                 theirs.len()
             );
         }
+    }
+
+    #[test]
+    fn a_condition_on_this_process_is_bound_at_install() {
+        let policy = Policy {
+            allow: vec![1],
+            guarded: vec![Guarded {
+                call: 234,
+                rules: vec![vec![Cond::eq32(0, THIS_PROCESS)]],
+            }],
+            refuse: vec![],
+            matched: libc::SECCOMP_RET_ALLOW,
+            mismatch: libc::SECCOMP_RET_TRAP,
+        };
+        const ALLOW: u32 = libc::SECCOMP_RET_ALLOW;
+        const TRAP: u32 = libc::SECCOMP_RET_TRAP;
+        let compiled = compile(&policy).unwrap();
+        let bound = for_process(&compiled, 4242);
+        assert_eq!(
+            run(&bound, AUDIT_ARCH_X86_64, 234, [4242, 1, 0, 0, 0, 0]),
+            ALLOW
+        );
+        assert_eq!(
+            run(&bound, AUDIT_ARCH_X86_64, 234, [1, 1, 0, 0, 0, 0]),
+            TRAP
+        );
+        let placeholder = u64::from(THIS_PROCESS);
+        assert_eq!(
+            run(&bound, AUDIT_ARCH_X86_64, 234, [placeholder, 1, 0, 0, 0, 0]),
+            TRAP
+        );
+        // Everything else is as compiled.
+        assert_eq!(compiled.len(), bound.len());
+        assert_eq!(run(&bound, AUDIT_ARCH_X86_64, 1, [0; 6]), ALLOW);
     }
 
     #[test]

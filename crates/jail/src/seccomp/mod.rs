@@ -161,7 +161,7 @@ pub fn mode() -> Mode {
 }
 
 /// Every filtered thread: memory, threads and their end, time, signals (the kick, the SIGSYS
-/// report), eventfds, stderr.
+/// report; tgkill is guarded: this process's threads only), eventfds, stderr.
 const COMMON: &[libc::c_long] = &[
     libc::SYS_read,
     libc::SYS_write,
@@ -186,7 +186,6 @@ const COMMON: &[libc::c_long] = &[
     libc::SYS_restart_syscall,
     libc::SYS_getpid,
     libc::SYS_gettid,
-    libc::SYS_tgkill,
     libc::SYS_getrandom,
     // glibc's malloc counts the CPUs once, when a thread's first allocation finds eight
     // arenas made already: from /sys and /proc files (opens, refused with EACCES: see
@@ -293,10 +292,21 @@ fn policy(kind: ThreadKind, mode: Mode) -> Policy {
     // after it an unprivileged uid can only take ids it holds. setgroups only as the jail
     // calls it, emptying the list.
     allow.extend([libc::SYS_setresuid, libc::SYS_setresgid]);
-    let mut guarded = vec![Guarded {
-        call: libc::SYS_setgroups,
-        rules: vec![vec![Cond::eq64(0, 0)]],
-    }];
+    let mut guarded = vec![
+        Guarded {
+            call: libc::SYS_setgroups,
+            rules: vec![vec![Cond::eq64(0, 0)]],
+        },
+        // Signals to this process's own threads only (a raise, a kick of a sibling): an
+        // unjailed VMM runs as root, and any target would be any process on the host. The
+        // thread group is the first argument; its value is bound when the filter is
+        // installed, in the process that installs it (a fork's clones are processes of
+        // their own).
+        Guarded {
+            call: libc::SYS_tgkill,
+            rules: vec![vec![Cond::eq32(0, bpf::THIS_PROCESS)]],
+        },
+    ];
     // The ioctl request is the second argument. std's set_nonblocking is ioctl(FIONBIO): the
     // vsock device sets every host connection non-blocking as it makes or accepts it, the
     // control socket its listener's. The net device sets its tap's offloads to what the
@@ -435,9 +445,9 @@ pub fn install(kind: ThreadKind) -> Result<(), SeccompError> {
         return Ok(());
     }
     install_reporter().map_err(|e| SeccompError::Install(kind.name(), e.to_string()))?;
-    let program = program(kind, mode)?;
+    let program = bpf::for_process(program(kind, mode)?, std::process::id());
     KIND.with(|k| k.set(u8::try_from(kind.index() + 1).unwrap_or(0)));
-    seccompiler::apply_filter(program)
+    seccompiler::apply_filter(&program)
         .map_err(|e| SeccompError::Install(kind.name(), e.to_string()))
 }
 

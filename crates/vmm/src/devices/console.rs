@@ -62,8 +62,70 @@ impl io::Write for Stdout {
     }
 }
 
+/// A console file that takes at most a set number of bytes: a guest that writes without end
+/// must not fill the host's disk. What comes past the limit is dropped (and reported written,
+/// so the guest's UART goes on), after one line that says so.
+struct Capped<W> {
+    inner: W,
+    /// Bytes the file may still take.
+    left: u64,
+    limit: u64,
+    said: bool,
+}
+
+impl<W: io::Write> Capped<W> {
+    fn new(inner: W, limit: u64, already: u64) -> Self {
+        Self {
+            inner,
+            left: limit.saturating_sub(already),
+            limit,
+            said: false,
+        }
+    }
+}
+
+impl<W: io::Write> io::Write for Capped<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if self.left == 0 {
+            if !self.said {
+                self.said = true;
+                let line = format!(
+                    "\n[mayfly: the console reached its limit of {} bytes (MAYFLY_CONSOLE_LIMIT); \
+                     the rest of the guest's output is dropped]\n",
+                    self.limit
+                );
+                // Best effort: the limit holds whether or not the line gets out.
+                let _ = self.inner.write_all(line.as_bytes());
+            }
+            return Ok(buf.len());
+        }
+        let take = usize::try_from(self.left).map_or(buf.len(), |left| buf.len().min(left));
+        let n = self.inner.write(&buf[..take])?;
+        self.left -= n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// `file` as a console output, capped at `limit` bytes (counting what it holds already).
+fn capped(file: File, limit: Option<u64>) -> ConsoleOut {
+    match limit {
+        None => Box::new(file),
+        Some(limit) => {
+            let already = file.metadata().map_or(0, |m| m.len());
+            Box::new(Capped::new(file, limit, already))
+        }
+    }
+}
+
 impl Console {
+    /// The console's output, capped at the process's `console_limit` (see
+    /// [`crate::settings::Settings`]) unless it is stdout.
     pub fn output(&self) -> Result<ConsoleOut, ConsoleError> {
+        let limit = crate::settings::get().console_limit;
         match self {
             Console::Stdio => Ok(Box::new(Stdout)),
             // Not following a symlink: a console log is the VMM's own file.
@@ -73,7 +135,7 @@ impl Console {
                 .truncate(true)
                 .custom_flags(libc::O_NOFOLLOW)
                 .open(path)
-                .map(|f| Box::new(f) as ConsoleOut)
+                .map(|f| capped(f, limit))
                 .map_err(|source| ConsoleError {
                     path: path.clone(),
                     source,
@@ -85,7 +147,7 @@ impl Console {
                 .append(true)
                 .custom_flags(libc::O_NOFOLLOW)
                 .open(path)
-                .map(|f| Box::new(f) as ConsoleOut)
+                .map(|f| capped(f, limit))
                 .map_err(|source| ConsoleError {
                     path: path.clone(),
                     source,
@@ -175,6 +237,21 @@ fn spawn_forwarder(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_capped_console_takes_its_limit_and_says_so_once() {
+        use std::io::Write;
+        let mut out = Capped::new(Vec::new(), 10, 4);
+        assert_eq!(out.write(b"abcd").unwrap(), 4);
+        assert_eq!(out.write(b"efgh").unwrap(), 2);
+        // Past the limit: taken (the UART goes on) and dropped, with one line.
+        assert_eq!(out.write(b"ijkl").unwrap(), 4);
+        assert_eq!(out.write(b"mnop").unwrap(), 4);
+        let text = String::from_utf8(out.inner).unwrap();
+        assert!(text.starts_with("abcdef\n[mayfly: the console reached its limit of 10 bytes"));
+        assert_eq!(text.matches("limit").count(), 1, "{text}");
+        assert!(!text.contains("ij") && !text.contains("mn"), "{text}");
+    }
 
     #[test]
     fn console_argument() {

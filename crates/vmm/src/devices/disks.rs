@@ -59,12 +59,10 @@ pub enum DiskSetupError {
         what: String,
         source: std::io::Error,
     },
-    #[error("the base image {path} is not the one the disk was made on (recorded: {expected}; the file now: {found}): use the same image, or start afresh without the old layers")]
-    BaseChanged {
-        path: PathBuf,
-        expected: String,
-        found: String,
-    },
+    // What the file now hashes to is not said: the path may come from a snapshot the caller
+    // did not write, and its digest would tell them about a file they may not read.
+    #[error("the base image {path} is not the one the disk was made on (recorded: {expected}): use the same image, or start afresh without the old layers")]
+    BaseChanged { path: PathBuf, expected: String },
     #[error("the disk manifest {path} was made for the base {recorded}, not {given}: give the same --disk, or another --disk-dir")]
     OtherBase {
         path: PathBuf,
@@ -77,6 +75,11 @@ pub enum DiskSetupError {
     BadLayerName(String),
     #[error("the snapshot's disks are in its directory, but this restore has none (a fork's state names its layers by full path)")]
     NoSnapshotDir,
+    #[error("the snapshot names the disk layer {layer}, which cannot be opened inside its disks/ directory ({source}): the snapshot is damaged, or names a file outside itself")]
+    LayerUnreadable {
+        layer: PathBuf,
+        source: std::io::Error,
+    },
     #[error("the snapshot {snapshot} and the disk layer {layer} are on different file systems: layers are hard-linked into snapshots, never copied; put the snapshot on the same file system as the VM's --disk-dir")]
     CrossDevice { snapshot: PathBuf, layer: PathBuf },
     #[error("the snapshot names the disk layer {layer}, outside {within}, where the layers of this restore must be (a snapshot written by a VMM the restorer does not trust)")]
@@ -354,7 +357,6 @@ pub fn open_for_boot(
             return Err(DiskSetupError::BaseChanged {
                 path: base,
                 expected: chain.base_identity,
-                found: identity,
             });
         }
         return Ok(Disk::open(&chain, false)?);
@@ -402,21 +404,21 @@ pub fn open_for_restore(
         .map_err(io("resolve the snapshot directory"))?;
     for layer in &mut chain.layers {
         if layer.is_relative() {
+            // A name in the snapshot's disks/, resolved strictly beneath the snapshot's
+            // directory: a symbolic link there that leads out of it is refused.
             let snapshot = snapshot_dir
                 .as_deref()
                 .ok_or(DiskSetupError::NoSnapshotDir)?;
-            *layer = snapshot_layer(snapshot, layer)?;
-        } else if let Some(within) = layers_within {
-            let outside = || DiskSetupError::LayerOutside {
-                layer: layer.clone(),
-                within: within.to_path_buf(),
-            };
-            let real = std::fs::canonicalize(&*layer).map_err(|_| outside())?;
-            let within = std::fs::canonicalize(within).map_err(|_| outside())?;
-            if !real.starts_with(&within) {
-                return Err(outside());
-            }
+            let name = snapshot_layer(Path::new(""), layer)?;
+            let (_, real) = mayfly_sys::beneath::open(snapshot, &name).map_err(|source| {
+                DiskSetupError::LayerUnreadable {
+                    layer: layer.clone(),
+                    source,
+                }
+            })?;
             *layer = real;
+        } else if let Some(within) = layers_within {
+            *layer = resolve_within(layer, within)?;
         }
     }
     let found = base_identity(&chain.base)?;
@@ -424,7 +426,6 @@ pub fn open_for_restore(
         return Err(DiskSetupError::BaseChanged {
             path: chain.base,
             expected: chain.base_identity,
-            found,
         });
     }
     if state.read_only {
@@ -456,6 +457,23 @@ pub fn open_for_restore(
     };
     write_manifest(&dir, &state.serial, &disk.chain())?;
     Ok(disk)
+}
+
+/// A layer a snapshot names by full path, which must lie in `within`: resolved strictly
+/// beneath it (every symbolic link on the way must stay inside), to its real path.
+fn resolve_within(layer: &Path, within: &Path) -> Result<PathBuf, DiskSetupError> {
+    let outside = || DiskSetupError::LayerOutside {
+        layer: layer.to_path_buf(),
+        within: within.to_path_buf(),
+    };
+    let within_real = std::fs::canonicalize(within).map_err(|_| outside())?;
+    // The name as written may start with `within` as given or with its real path.
+    let rest = layer
+        .strip_prefix(within)
+        .or_else(|_| layer.strip_prefix(&within_real))
+        .map_err(|_| outside())?;
+    let (_, real) = mayfly_sys::beneath::open(&within_real, rest).map_err(|_| outside())?;
+    Ok(real)
 }
 
 /// Freeze `disk` (see [`Disk::freeze`]) onto a new top in `dir`, compacting the frozen chain

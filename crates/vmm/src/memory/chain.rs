@@ -37,7 +37,17 @@ pub fn open_chain(
             let name = mayfly_snapshot::layer_name(&layer.path).ok_or_else(|| {
                 format!("the memory layer {:?} is outside its directory", layer.path)
             })?;
-            snapshot_dir.join(MEMORY_LAYERS_DIR).join(name)
+            // Resolved strictly beneath the snapshot's directory: a symbolic link in
+            // memory-layers/ that leads out of it is refused.
+            let (_, real) =
+                mayfly_sys::beneath::open(&snapshot_dir, &Path::new(MEMORY_LAYERS_DIR).join(name))
+                    .map_err(|e| {
+                        format!(
+                            "its memory layer {} cannot be opened inside the snapshot ({e})",
+                            layer.path.display()
+                        )
+                    })?;
+            real
         } else {
             let real = std::fs::canonicalize(&layer.path).map_err(|e| {
                 format!(
@@ -47,17 +57,26 @@ pub fn open_chain(
                 )
             })?;
             if let Some(within) = within {
-                let within = std::fs::canonicalize(within).map_err(|e| e.to_string())?;
-                if !real.starts_with(&within) {
-                    return Err(format!(
+                let outside = || {
+                    format!(
                         "its memory layer {} lies outside {}, where this restore was told its \
                          layers are",
                         layer.path.display(),
                         within.display()
-                    ));
-                }
+                    )
+                };
+                let within_real = std::fs::canonicalize(within).map_err(|e| e.to_string())?;
+                let rest = layer
+                    .path
+                    .strip_prefix(within)
+                    .or_else(|_| layer.path.strip_prefix(&within_real))
+                    .map_err(|_| outside())?;
+                let (_, beneath) =
+                    mayfly_sys::beneath::open(&within_real, rest).map_err(|_| outside())?;
+                beneath
+            } else {
+                real
             }
-            real
         };
         let file = mayfly_snapshot::open_regular(&path).map_err(|e| e.to_string())?;
         mayfly_snapshot::check_trailer(

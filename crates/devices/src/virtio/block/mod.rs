@@ -58,8 +58,10 @@ pub enum BlockError {
     SerialTooLong(String),
     #[error("cannot create the block device's event descriptor: {0}")]
     EventFd(std::io::Error),
-    #[error("the disk opened for the restored block device is not the one the snapshot saw (snapshot: {saved}; files: {found}): open the chain of layers the snapshot was taken on")]
-    WrongDisk { saved: String, found: String },
+    // What the files opened are is not said: a snapshot names them, and the caller may not
+    // be the one who may read them.
+    #[error("the disk opened for the restored block device is not the one the snapshot saw (snapshot: {saved}): open the chain of layers the snapshot was taken on")]
+    WrongDisk { saved: String },
     #[error("the snapshot's block device was {saved}, but its disk was opened {opened}: open it the same way")]
     ReadOnlyMismatch {
         saved: &'static str,
@@ -268,7 +270,6 @@ impl Persist for Block {
         if !state.disk.same_content(&found) {
             return Err(BlockError::WrongDisk {
                 saved: describe(&state.disk),
-                found: describe(&found),
             });
         }
         let mode = |ro: bool| if ro { "read-only" } else { "writable" };
