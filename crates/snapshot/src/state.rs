@@ -965,6 +965,50 @@ mod golden {
         eprintln!("{checked} golden files of older versions refused");
     }
 
+    /// The fuzz target `snapshot_state` starts from the golden file of the current version,
+    /// as a whole file (`seed-golden-vN`) and as the header and body its framing takes
+    /// (`seed-golden-vN-framed`: the header's length, big-endian u16, then header and body), so
+    /// the fuzzer starts past the version check. Seeds of older versions are gone. Bless mode
+    /// writes the current seeds and removes older ones.
+    #[test]
+    fn the_fuzz_corpus_seeds_the_current_format() {
+        let golden = checked_golden();
+        let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/snapshot_state");
+        let le32 = |at: usize| u32::from_le_bytes(golden[at..at + 4].try_into().unwrap());
+        let header_len = usize::try_from(le32(12)).unwrap();
+        let header = &golden[16..16 + header_len];
+        let body = &golden[16 + header_len + 8..golden.len() - 4];
+        let mut framed = u16::try_from(header_len).unwrap().to_be_bytes().to_vec();
+        framed.extend_from_slice(header);
+        framed.extend_from_slice(body);
+        let seeds = [
+            (format!("seed-golden-v{FORMAT_VERSION}"), golden.to_vec()),
+            (format!("seed-golden-v{FORMAT_VERSION}-framed"), framed),
+        ];
+        for entry in std::fs::read_dir(&corpus).expect("the fuzz corpus lists") {
+            let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+            if name.starts_with("seed-golden-v") && !seeds.iter().any(|(n, _)| *n == name) {
+                if blessing() {
+                    std::fs::remove_file(corpus.join(&name)).unwrap();
+                    eprintln!("removed {name}: commit it");
+                } else {
+                    panic!("fuzz/corpus/snapshot_state/{name} is of an older format: run {BLESS}");
+                }
+            }
+        }
+        for (name, bytes) in seeds {
+            let path = corpus.join(&name);
+            match std::fs::read(&path) {
+                Ok(found) => assert!(found == bytes, "{} is stale: run {BLESS}", path.display()),
+                Err(_) if blessing() => {
+                    std::fs::write(&path, &bytes).unwrap();
+                    eprintln!("wrote {}: commit it", path.display());
+                }
+                Err(e) => panic!("{}: {e}: run {BLESS}", path.display()),
+            }
+        }
+    }
+
     #[test]
     fn golden_sample_has_every_device_kind() {
         // Adding a device kind fails to compile here: give the sample a device of that kind.

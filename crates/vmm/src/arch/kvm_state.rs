@@ -38,9 +38,11 @@ fn kvm_err(what: impl Into<String>) -> impl FnOnce(kvm_ioctls::Error) -> StateEr
 
 const MSR_IA32_TSC_DEADLINE: u32 = 0x6e0;
 
-/// MSRs one KVM_GET_MSRS / KVM_SET_MSRS takes at most (kvm-bindings' `Msrs` cap): longer
-/// lists go in batches.
-const MSR_BATCH: usize = kvm_bindings::KVM_MAX_MSR_ENTRIES;
+/// MSRs one KVM_GET_MSRS / KVM_SET_MSRS takes at most: longer lists go in batches. One less
+/// than kvm-bindings' `Msrs` cap (`KVM_MAX_MSR_ENTRIES`, 256): the kernel refuses a list of
+/// `MAX_IO_MSRS` (256) or more with E2BIG (`nmsrs >= MAX_IO_MSRS` in msr_io), which the test
+/// below found on the first full batch.
+const MSR_BATCH: usize = kvm_bindings::KVM_MAX_MSR_ENTRIES - 1;
 /// MSRs a saved vCPU may list (KVM saves a few dozen; a state file listing more is not one
 /// mayfly wrote).
 pub const MAX_SAVED_MSRS: usize = 1024;
@@ -332,7 +334,16 @@ pub fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState, caps: &KvmCaps) -> Result<
     vcpu.set_lapic(&state.lapic)
         .map_err(kvm_err("set the local APIC"))?;
 
-    let mut msrs_in_order = state.msrs.clone();
+    set_msrs(vcpu, &state.msrs)?;
+    vcpu.set_vcpu_events(&state.vcpu_events)
+        .map_err(kvm_err("set the vCPU events"))?;
+    Ok(())
+}
+
+/// Write `msrs` into the vCPU, in batches KVM takes (at most `KVM_MAX_MSR_ENTRIES` each), the
+/// TSC deadline last (it is relative to the TSC, written before it). Every one must be taken.
+fn set_msrs(vcpu: &VcpuFd, msrs: &[kvm_msr_entry]) -> Result<(), StateError> {
+    let mut msrs_in_order = msrs.to_vec();
     msrs_in_order.sort_by_key(|m| m.index == MSR_IA32_TSC_DEADLINE);
     for (batch_index, batch) in msrs_in_order.chunks(MSR_BATCH).enumerate() {
         let msrs = Msrs::from_entries(batch).map_err(|_| StateError::Kvm {
@@ -348,8 +359,6 @@ pub fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState, caps: &KvmCaps) -> Result<
             });
         }
     }
-    vcpu.set_vcpu_events(&state.vcpu_events)
-        .map_err(kvm_err("set the vCPU events"))?;
     Ok(())
 }
 
@@ -441,6 +450,52 @@ mod tests {
             ecx,
             edx,
             ..Default::default()
+        }
+    }
+
+    /// More MSRs than one KVM_GET_MSRS / KVM_SET_MSRS takes (KVM_MAX_MSR_ENTRIES) are read
+    /// and written in batches, every one of them, on this machine's KVM.
+    #[test]
+    fn msr_lists_longer_than_one_batch_go_in_batches() {
+        let kvm = kvm_ioctls::Kvm::new().expect("/dev/kvm opens");
+        let vm = kvm.create_vm().expect("a VM");
+        let vcpu = vm.create_vcpu(0).expect("a vCPU");
+        // SYSENTER_CS/ESP/EIP, STAR, LSTAR, CSTAR, SFMASK, KERNEL_GS_BASE: plain registers
+        // every x86-64 vCPU has, repeated past three batches.
+        let plain = [
+            0x174,
+            0x175,
+            0x176,
+            0xc000_0081,
+            0xc000_0082,
+            0xc000_0083,
+            0xc000_0084,
+            0xc000_0102,
+        ];
+        let count = 3 * MSR_BATCH + 5;
+        let index: Vec<u32> = plain.iter().copied().cycle().take(count).collect();
+        let read = get_msrs(&vcpu, &index).expect("the MSRs read");
+        assert_eq!(read.len(), count);
+        // Written back with values of their own (the last write of each index wins): every
+        // batch is taken, and what the last batch wrote is what the vCPU holds.
+        let written: Vec<kvm_msr_entry> = index
+            .iter()
+            .enumerate()
+            .map(|(i, &index)| kvm_msr_entry {
+                index,
+                data: 0x1000 + i as u64,
+                ..Default::default()
+            })
+            .collect();
+        set_msrs(&vcpu, &written).expect("every batch is taken");
+        let now = get_msrs(&vcpu, &plain).expect("the MSRs read back");
+        for entry in now {
+            let last = written
+                .iter()
+                .rev()
+                .find(|w| w.index == entry.index)
+                .unwrap();
+            assert_eq!(entry.data, last.data, "MSR {:#x}", entry.index);
         }
     }
 
