@@ -4,7 +4,8 @@
  * to set up its own page tables and GDT, and then runs in user mode (CPL3), where KVM runs it
  * natively even on hosts that emulate guest kernel code.
  *
- * At CPL0 it also writes console=BYTES bytes to the serial port, if the command line asks.
+ * At CPL0 it also writes console=BYTES bytes to the serial port, or with stall=1 stops
+ * there with the UART's interrupt pending, if the command line asks.
  *
  * In user mode it
  *   1. writes a pattern word into every 4 KiB page from 4 MiB to the end of low RAM
@@ -136,6 +137,27 @@ _start:
     dec     %r9
     jmp     14b
 15:
+    /* stall=1 on the command line: the UART's transmit interrupt enabled (so, the transmitter
+     * being empty, pending at once), interrupts off, and a loop that never leaves the guest:
+     * the shape of the lost console wake-up, for the test of the VMM's kick. */
+    movl    ZERO_PAGE_CMDLINE(%rsi), %edi
+    test    %edi, %edi
+    jz      19f
+16: movb    (%rdi), %al
+    test    %al, %al
+    jz      19f
+    cmpl    $0x6c617473, (%rdi)         /* "stal" */
+    jne     17f
+    cmpl    $0x313d6c6c, 3(%rdi)        /* "ll=1" */
+    jne     17f
+    mov     $0x3f9, %dx                 /* IER */
+    mov     $0x02, %al                  /* THRI */
+    outb    %al, %dx
+    cli
+18: jmp     18b
+17: inc     %rdi
+    jmp     16b
+19:
     /* iretq to user mode, interrupts off: nothing can interrupt a CPL3 loop. */
     lea     user_stack_top(%rip), %rax
     pushq   $0x23                       /* user data, RPL 3 */

@@ -560,3 +560,40 @@ fn a_guest_flooding_its_console_fills_only_its_limit() {
         "{stderr}"
     );
 }
+
+/// The lost console wake-up, bounded (docs/rig.md, known problems): a vCPU inside one KVM_RUN
+/// for over 2 s while the UART has an interrupt pending is kicked out, and says so. The probe's
+/// `stall=1` makes that shape on purpose: the UART's transmit interrupt pending, interrupts
+/// off, a loop that never exits to the VMM.
+#[test]
+fn a_vcpu_stuck_behind_a_pending_console_interrupt_is_kicked() {
+    let dir = TestDir::new("console-stall");
+    let sock = dir.join("vm.sock");
+    let mut guest = Guest::start(&[
+        "run",
+        "--probe",
+        "--kernel",
+        probe::ELF,
+        "--mem-mib",
+        "32",
+        "--cmdline",
+        "stall=1",
+        "--console",
+        "/dev/null",
+        "--api-sock",
+        &sock.to_string_lossy(),
+    ]);
+    assert!(
+        guest.wait_stderr(
+            "sat in KVM_RUN over 2 s with the console's interrupt pending",
+            probe::TIMEOUT
+        ),
+        "no kick: {}",
+        guest.stderr()
+    );
+    // The VMM answers and stops as ever.
+    assert_eq!(request(&sock, "GET", "/vm", None).0, 200);
+    guest.signal(libc::SIGTERM);
+    let status = guest.wait_exit(probe::TIMEOUT);
+    assert!(status.code().is_some(), "{status:?}");
+}

@@ -16,6 +16,14 @@ use crate::runtime::Vmm;
 use mayfly_api::{Action, ApiCall, ApiServer, Reply};
 use mayfly_sys::claim::SocketClaim;
 
+/// How often an idle controller looks for a vCPU stuck behind the console (see
+/// [`crate::machine::Machine::nudge_stalled_console`]): a few relaxed loads and one uncontended
+/// lock, once a second.
+const CONSOLE_WATCH: std::time::Duration = std::time::Duration::from_secs(1);
+/// Kicks a VMM says it made (the rest are counted in none: the stall is rare, and a guest that
+/// sets it off on purpose must not fill the log).
+const MAX_NUDGES_LOGGED: u64 = 8;
+
 /// What the network routes answer for a VM without a NIC.
 const NO_NIC: &str =
     "the VM has no NIC (it was started with --net none): boot it with --net open or --net allow=...";
@@ -134,11 +142,32 @@ impl Controller {
 
     /// Serve requests until something ends the VM, then stop every vCPU.
     pub fn run(mut self) -> VmExit {
+        let mut nudges: u64 = 0;
         let exit = loop {
-            let event = match self.events.recv() {
+            let event = match self.events.recv_timeout(CONSOLE_WATCH) {
                 Ok(event) => event,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    // Nothing to do for a while: look for the lost console wake-up.
+                    for index in self.machine.nudge_stalled_console() {
+                        nudges += 1;
+                        if nudges <= MAX_NUDGES_LOGGED {
+                            eprintln!(
+                                "mayfly: vCPU {index} sat in KVM_RUN over {} s with the console's \
+                                 interrupt pending: kicked it (the lost console wake-up, \
+                                 docs/rig.md){}",
+                                crate::machine::CONSOLE_STALL.as_secs(),
+                                if nudges == MAX_NUDGES_LOGGED {
+                                    "; further kicks are not logged"
+                                } else {
+                                    ""
+                                }
+                            );
+                        }
+                    }
+                    continue;
+                }
                 // Every sender gone: cannot happen while `self` holds one.
-                Err(_) => break VmExit::PowerOff,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break VmExit::PowerOff,
             };
             match event {
                 VmEvent::Api(call) => {

@@ -105,6 +105,16 @@ impl VcpuActivity {
             .store(mayfly_devices::probe::monotonic_ns(), Ordering::Relaxed);
     }
 
+    /// How long the vCPU has been inside its current `KVM_RUN`, if it is in one.
+    pub fn in_kvm_run_for_ns(&self) -> Option<u64> {
+        self.in_kvm_run
+            .load(Ordering::Acquire)
+            .then(|| {
+                mayfly_devices::probe::monotonic_ns()
+                    .saturating_sub(self.since_ns.load(Ordering::Relaxed))
+            })
+    }
+
     /// One line: in KVM_RUN or not, since when, how many entries, the last exit.
     pub fn describe(&self) -> String {
         let age_ms = mayfly_devices::probe::monotonic_ns()
@@ -229,6 +239,12 @@ impl VcpuHandle {
     /// Where the vCPU thread is right now (see [`VcpuActivity`]).
     pub fn activity(&self) -> &VcpuActivity {
         &self.control.activity
+    }
+
+    /// Kick the vCPU out of `KVM_RUN` without asking anything of it: it enters again at once.
+    /// (See [`crate::machine::Machine::nudge_stalled_console`].)
+    pub fn nudge(&self) {
+        self.kick();
     }
 
     fn kick(&self) {

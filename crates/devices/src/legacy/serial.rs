@@ -130,11 +130,17 @@ impl SerialConsole {
     /// workaround for a lost edge while the VM runs: the rig's stalls of that kind were its
     /// emulator's, fixed there; see the README's rig section.)
     pub fn raise_pending_interrupt(&self) -> io::Result<()> {
-        const IIR_NO_INTERRUPT: u8 = 0x01;
-        if self.uart.state().interrupt_identification & IIR_NO_INTERRUPT == 0 {
+        if self.interrupt_pending() {
             self.uart.interrupt_evt().trigger()?;
         }
         Ok(())
+    }
+
+    /// Whether the UART has an interrupt pending (its IIR says one is), which the guest has
+    /// not taken yet.
+    pub fn interrupt_pending(&self) -> bool {
+        const IIR_NO_INTERRUPT: u8 = 0x01;
+        self.uart.state().interrupt_identification & IIR_NO_INTERRUPT == 0
     }
 
     /// Room left in the receive FIFO.
