@@ -6,7 +6,9 @@
 //! VMM killed with -9 leaves nothing behind. Run through tests/run (the host's KVM or the rig's).
 //!
 //! All traffic stays inside network namespaces this test creates: an "uplink" namespace per
-//! test stands in for the internet, with servers on documentation addresses of its own.
+//! test stands in for the host, and routes on to an "internet" namespace behind it with
+//! servers on documentation addresses of its own (a VM never reaches the host's own
+//! addresses, so the servers cannot live in the uplink itself).
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -22,14 +24,54 @@ use mayfly_agent_protocol::ExecRequest;
 use mayfly_tests::agent::{exec_request, sh, wait_agent};
 use mayfly_tests::guest::{mayfly_ok, request, Guest, TestDir, BOOT_TIMEOUT};
 
-/// The "internet", inside the uplink namespace.
+/// The "internet", a namespace behind the uplink.
 const SERVER: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const OTHER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const PORT: u16 = 8080;
+/// The link between the uplink and the internet (a /30).
+const LINK_UPLINK: Ipv4Addr = Ipv4Addr::new(100, 100, 0, 1);
+const LINK_INTERNET: Ipv4Addr = Ipv4Addr::new(100, 100, 0, 2);
+/// The VMs' outside addresses (mayfly's default slot pool), routed back to the uplink.
+const POOL: &str = "10.200.0.0/16";
 
-/// A network namespace of this test's own, holding the servers VMs may or may not reach.
+fn new_netns() -> File {
+    std::thread::spawn(|| {
+        // SAFETY: unshare affects only this short-lived thread.
+        assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
+        File::open("/proc/thread-self/ns/net").unwrap()
+    })
+    .join()
+    .unwrap()
+}
+
+/// Run `tool args...` inside the namespace `ns`; its output, or the test fails.
+fn sh_in(ns: &File, tool: &str, args: &[&str]) -> String {
+    let fd = ns.as_raw_fd();
+    let mut cmd = Command::new(tool);
+    cmd.args(args).stdin(Stdio::null());
+    // SAFETY: setns only, between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = cmd.output().unwrap_or_else(|e| panic!("{tool}: {e}"));
+    assert!(
+        out.status.success(),
+        "{tool} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Network namespaces of this test's own: the uplink VMs' traffic goes out to (the host),
+/// and the internet behind it, holding the servers VMs may or may not reach.
 struct Uplink {
     ns: File,
+    internet: File,
 }
 
 impl Uplink {
@@ -50,18 +92,58 @@ impl Uplink {
                 "{tool} is not installed (scripts/setup.sh installs it)"
             );
         }
-        let ns = std::thread::spawn(|| {
-            // SAFETY: unshare affects only this short-lived thread.
-            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
-            File::open("/proc/thread-self/ns/net").unwrap()
-        })
-        .join()
-        .unwrap();
-        let uplink = Self { ns };
+        let uplink = Self {
+            ns: new_netns(),
+            internet: new_netns(),
+        };
         uplink.sh("ip", &["link", "set", "lo", "up"]);
+        sh_in(&uplink.internet, "ip", &["link", "set", "lo", "up"]);
         for addr in [SERVER, OTHER] {
-            uplink.sh("ip", &["addr", "add", &format!("{addr}/32"), "dev", "lo"]);
+            sh_in(
+                &uplink.internet,
+                "ip",
+                &["addr", "add", &format!("{addr}/32"), "dev", "lo"],
+            );
         }
+        let internet_path = format!(
+            "/proc/{}/fd/{}",
+            std::process::id(),
+            uplink.internet.as_raw_fd()
+        );
+        uplink.sh(
+            "ip",
+            &[
+                "link",
+                "add",
+                "up0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "inet0",
+                "netns",
+                &internet_path,
+            ],
+        );
+        for args in [
+            format!("addr add {LINK_UPLINK}/30 dev up0"),
+            "link set up0 up".to_string(),
+            format!("route add default via {LINK_INTERNET}"),
+        ] {
+            uplink.sh("ip", &args.split(' ').collect::<Vec<_>>());
+        }
+        for args in [
+            format!("addr add {LINK_INTERNET}/30 dev inet0"),
+            "link set inet0 up".to_string(),
+            format!("route add {POOL} via {LINK_UPLINK}"),
+        ] {
+            sh_in(&uplink.internet, "ip", &args.split(' ').collect::<Vec<_>>());
+        }
+        mayfly_network::run_in(&uplink.ns, || {
+            std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+        })
+        .unwrap()
+        .unwrap();
         uplink
     }
 
@@ -70,33 +152,16 @@ impl Uplink {
         format!("/proc/{}/fd/{}", std::process::id(), self.ns.as_raw_fd())
     }
 
+    /// Run `tool args...` in the uplink namespace.
     fn sh(&self, tool: &str, args: &[&str]) -> String {
-        let fd = self.ns.as_raw_fd();
-        let mut cmd = Command::new(tool);
-        cmd.args(args).stdin(Stdio::null());
-        // SAFETY: setns only, between fork and exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let out = cmd.output().unwrap_or_else(|e| panic!("{tool}: {e}"));
-        assert!(
-            out.status.success(),
-            "{tool} {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        sh_in(&self.ns, tool, args)
     }
 
-    /// A TCP server at `ip:PORT` in this namespace: it answers each connection with the
-    /// client's address (as it sees it) and records what the client sent.
+    /// A TCP server at `ip:PORT` in the internet namespace: it answers each connection with
+    /// the client's address (as it sees it) and records what the client sent.
     fn server(&self, ip: Ipv4Addr) -> Server {
         // The listener keeps the namespace it was made in.
-        let listener = mayfly_network::run_in(&self.ns, || TcpListener::bind((ip, PORT)))
+        let listener = mayfly_network::run_in(&self.internet, || TcpListener::bind((ip, PORT)))
             .unwrap()
             .unwrap();
         let conns: Conns = Arc::default();

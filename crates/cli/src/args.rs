@@ -363,8 +363,19 @@ pub(crate) struct NetPlaceArgs {
     #[arg(long, value_name = "PATH")]
     pub(crate) net_uplink: Option<PathBuf>,
     /// The DNS resolver the guest is told to use; an allowlist lets DNS reach it, and only it.
+    /// DNS reaches it even at a host or private address.
     #[arg(long, value_name = "IPV4")]
     pub(crate) net_dns: Option<std::net::Ipv4Addr>,
+    /// Private networks a policy may reach (inside 10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16
+    /// or 100.64.0.0/10). The rest of those ranges no VM reaches, with --net open or an
+    /// allowlist naming them. Default: none.
+    #[arg(long, value_name = "CIDR,...", value_delimiter = ',', value_parser = mayfly_network::parse_net)]
+    pub(crate) net_reach: Vec<mayfly_network::Ipv4Net>,
+    /// More networks no VM reaches, whatever its policy. Always kept out besides: this host's
+    /// own addresses, 169.254.0.0/16 (cloud metadata), the slot pool, 0.0.0.0/8, loopback,
+    /// multicast, 240.0.0.0/4 and the private ranges not in --net-reach.
+    #[arg(long, value_name = "CIDR,...", value_delimiter = ',', value_parser = mayfly_network::parse_net)]
+    pub(crate) net_never: Vec<mayfly_network::Ipv4Net>,
 }
 
 impl NetPlaceArgs {
@@ -373,6 +384,8 @@ impl NetPlaceArgs {
             state_dir: self.net_dir.clone(),
             uplink: self.net_uplink.clone(),
             dns: self.net_dns,
+            reach: self.net_reach.clone(),
+            never: self.net_never.clone(),
         }
     }
 }

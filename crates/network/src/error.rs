@@ -26,6 +26,16 @@ pub enum NetworkError {
     BadPool(Ipv4Net),
     #[error("link prefix {0:?} is too long: it and a slot number must fit 15 characters")]
     BadPrefix(String),
+    #[error(
+        "--net-reach {0}: only private networks can be opened (inside 10.0.0.0/8, \
+         172.16.0.0/12, 192.168.0.0/16 or 100.64.0.0/10); the host's own addresses, link-local \
+         169.254.0.0/16, loopback, multicast and the slot pool are never reached"
+    )]
+    BadReach(Ipv4Net),
+    #[error("{given:?} is not an IPv4 network: {why}")]
+    BadNet { given: String, why: String },
+    #[error("cannot read the uplink namespace's own addresses: {0}")]
+    HostAddresses(std::io::Error),
     #[error("policy none means no NIC: do not create a network for this VM")]
     NoNetwork,
     #[error(transparent)]

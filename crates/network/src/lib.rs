@@ -12,7 +12,12 @@
 //! Egress policy ([`Policy`]) is enforced with nftables inside the VM's namespace, never in the
 //! guest: anti-spoofing at the tap (the guest's MAC and IP only), then the policy sets on
 //! every forwarded packet (see `nft.rs` for the rules), denied attempts rejected
-//! (TCP reset, ICMP admin-prohibited) and counted.
+//! (TCP reset, ICMP admin-prohibited) and counted. Whatever the policy, a VM never reaches
+//! the host's own addresses (those of the uplink namespace), link-local 169.254.0.0/16 (cloud
+//! metadata), the slot pool, loopback, multicast, reserved addresses, and the private ranges
+//! (10/8, 172.16/12, 192.168/16, 100.64/10) but for what the operator opens
+//! ([`NetworkConfig::reach`]); DNS to the configured resolver is the one exception. See
+//! `never.rs`.
 //!
 //! Nothing leaks when a VMM dies (even by kill -9): a VM's namespace is not bind-mounted
 //! anywhere, so it lives exactly as long as the descriptors the VMM holds (the namespace, the
@@ -42,14 +47,18 @@
 mod addr;
 mod error;
 mod expose;
+mod local;
 mod netns;
 mod network;
+mod never;
 mod nft;
 pub mod policy;
 
 pub use addr::{MacAddr, GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_PREFIX};
 pub use error::NetworkError;
 pub use expose::{ExposeOn, HostEndpoint};
+pub use ipnet::Ipv4Net;
 pub use netns::{check_tools, inode as namespace_inode, run_in};
 pub use network::*;
+pub use never::{parse_net, LINK_LOCAL, PRIVATE};
 pub use policy::{Dest, Policy, PolicyError, Rule};

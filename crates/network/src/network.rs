@@ -5,7 +5,7 @@ use std::fs::File;
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use ipnet::Ipv4Net;
 use serde::{Deserialize, Serialize};
@@ -14,6 +14,7 @@ use crate::addr::{MacAddr, GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_PREFIX, NS_T
 use crate::error::{sys, NetworkError, Result};
 use crate::expose::{self, ExposeOn, HostEndpoint};
 use crate::netns::{self, check_tools};
+use crate::never::Never;
 use crate::nft;
 use crate::policy::{self, Policy};
 
@@ -33,14 +34,25 @@ pub struct NetworkConfig {
     pub state_dir: PathBuf,
     /// Per-VM outside addresses, in /30s. Default 10.200.0.0/16.
     pub pool: Ipv4Net,
+    /// The namespace VM traffic goes out to. Its own addresses (read when the [`Network`] is
+    /// made) are the host's: no VM reaches them.
     pub uplink: Uplink,
     /// The resolver the guest is told to use; an allowlist lets DNS (TCP/UDP 53) go to it
-    /// and nowhere else. `None`: no DNS.
+    /// and nowhere else. DNS reaches it even if it is a host or private address (that alone:
+    /// nothing else to that address). `None`: no DNS.
     pub dns: Option<Ipv4Addr>,
     /// Host-side link names are this prefix and the slot number (at most 15 characters).
     pub link_prefix: String,
-    /// Networks no policy reaches, besides the pool itself (e.g. the host's own
-    /// addresses, a metadata service).
+    /// Private networks policies may reach: each inside 10.0.0.0/8, 172.16.0.0/12,
+    /// 192.168.0.0/16 or 100.64.0.0/10 (anything else is refused with
+    /// [`NetworkError::BadReach`]). The rest of the private ranges is never reached, by
+    /// `open` or by an allowlist naming it. Default: none. What `never`, the pool or the
+    /// host's addresses hold stays unreached even inside these.
+    #[serde(default)]
+    pub reach: Vec<Ipv4Net>,
+    /// More networks no policy reaches, besides those always kept out: the host's own
+    /// addresses, link-local 169.254.0.0/16 (cloud metadata), the pool, 0.0.0.0/8, loopback,
+    /// multicast, 240.0.0.0/4 and the private ranges not in `reach`. Default: none.
     pub never: Vec<Ipv4Net>,
 }
 
@@ -52,6 +64,7 @@ impl Default for NetworkConfig {
             uplink: Uplink::Current,
             dns: None,
             link_prefix: "mfv".to_string(),
+            reach: Vec::new(),
             never: Vec::new(),
         }
     }
@@ -121,12 +134,16 @@ pub struct Network {
     uplink: File,
     /// For interface look-ups in the uplink namespace.
     uplink_sock: File,
+    /// What no VM reaches, written into each VM's namespace when it takes its slot.
+    never: Arc<Never>,
     slots: u32,
     hint: Mutex<u32>,
 }
 
 impl Network {
-    /// Check the tools and the configuration, and sweep what dead VMMs left.
+    /// Check the tools and the configuration, read the uplink namespace's own addresses
+    /// (the never-reached host addresses: see [`NetworkConfig::never`]), and sweep what dead
+    /// VMMs left.
     pub fn new(config: NetworkConfig) -> Result<Self> {
         check_tools()?;
         if config.pool.prefix_len() > 30 {
@@ -147,13 +164,21 @@ impl Network {
             Uplink::Path(p) => File::open(p),
         }
         .map_err(sys("cannot open the uplink namespace"))?;
-        let uplink_sock = netns::run_in(&uplink, netns::ioctl_socket)
-            .and_then(|s| s)
-            .map_err(sys("cannot open a socket in the uplink namespace"))?;
+        // One trip into the uplink namespace: a socket for interface look-ups, and its own
+        // addresses (the host's: never reached).
+        let (uplink_sock, host) = netns::run_in(&uplink, || {
+            (netns::ioctl_socket(), crate::local::addresses())
+        })
+        .map_err(sys("cannot enter the uplink namespace"))?;
+        let uplink_sock =
+            uplink_sock.map_err(sys("cannot open a socket in the uplink namespace"))?;
+        let host = host.map_err(NetworkError::HostAddresses)?;
+        let never = Never::new(&host, config.pool, &config.never, &config.reach)?;
         let network = Self {
             config,
             uplink,
             uplink_sock,
+            never: Arc::new(never),
             slots,
             hint: Mutex::new(0),
         };
@@ -203,7 +228,7 @@ impl Network {
             return Err(NetworkError::NoNetwork);
         }
         // Resolve first: a policy that cannot be applied costs no slot.
-        let resolved = policy.resolve(self.config.dns)?;
+        let resolved = resolve(policy, self.config.dns, &self.never)?;
         let mac = mac.unwrap_or_else(fresh_mac);
         if let Some((slot, lock, ns)) = self.claim_pooled()? {
             return self.finish(slot, lock, ns, policy, &resolved, mac);
@@ -310,18 +335,18 @@ impl Network {
             host = slot.host_ip,
         );
         netns::run("ip", &["-batch", "-"], Some(&inside), Some(&ns))?;
-        let mut never = vec![self.config.pool.trunc()];
-        never.extend(self.config.never.iter().map(Ipv4Net::trunc));
         netns::run(
             "nft",
             &["-f", "-"],
-            Some(&nft::ruleset(slot.outside_ip, &never)),
+            Some(&nft::ruleset(slot.outside_ip)),
             Some(&ns),
         )?;
         Ok(ns)
     }
 
-    /// Attach to the slot's tap, point the sets at the guest's MAC and the policy.
+    /// Attach to the slot's tap, point the sets at the guest's MAC, this host's never-reached
+    /// networks and the policy, in one batch (a pooled slot holds nothing of whoever built
+    /// it).
     fn finish(
         &self,
         slot: Slot,
@@ -334,9 +359,15 @@ impl Network {
         let (tap, nft) = netns::run_in(&ns, || -> Result<(File, nft::NftSocket)> {
             let tap = netns::open_tap(NS_TAP).map_err(sys("cannot open the VM's tap"))?;
             let mut nft = nft::NftSocket::open().map_err(NetworkError::Nft)?;
-            let [nets, svcs] = nft::policy_sets(resolved);
-            nft.replace(&[nft::mac_set(mac), nets, svcs])
-                .map_err(NetworkError::Nft)?;
+            let [nets, svcs, dns] = nft::policy_sets(resolved);
+            nft.replace(&[
+                nft::mac_set(mac),
+                nft::never_set(self.never.spans()),
+                dns,
+                nets,
+                svcs,
+            ])
+            .map_err(NetworkError::Nft)?;
             // Until the kernel has seen the tap's carrier come on, what the namespace sends
             // the guest is dropped (a restored guest's first ARP would wait for its retry).
             netns::wait_running(NS_TAP, std::time::Duration::from_millis(200))
@@ -369,6 +400,7 @@ impl Network {
                 .try_clone()
                 .map_err(sys("cannot keep the uplink namespace"))?,
             dns: self.config.dns,
+            never: self.never.clone(),
             policy: policy.clone(),
             exposed: Vec::new(),
             ns,
@@ -494,6 +526,11 @@ impl Network {
     }
 }
 
+/// `policy` resolved, an allowlist entry refused if a VM never reaches any of it.
+fn resolve(policy: &Policy, dns: Option<Ipv4Addr>, never: &Never) -> Result<policy::Resolved> {
+    Ok(policy.resolve_checked(dns, |nets| never.refuses(nets))?)
+}
+
 /// A fresh locally administered unicast MAC (02:xx:...; random).
 pub fn fresh_mac() -> MacAddr {
     let mut mac = [0u8; 6];
@@ -527,6 +564,7 @@ pub struct VmNetwork {
     uplink: File,
     guest: GuestConfig,
     dns: Option<Ipv4Addr>,
+    never: Arc<Never>,
     policy: Policy,
     exposed: Vec<expose::Forwarder>,
     destroyed: bool,
@@ -579,14 +617,16 @@ impl VmNetwork {
 
     /// Change the policy now. Every packet is checked against it, so a connection the new
     /// policy forbids is cut at its next packet (the guest gets a TCP reset or an ICMP
-    /// error). Names are resolved now. [`Policy::None`] denies everything (the NIC stays).
+    /// error). Names are resolved now. [`Policy::None`] denies everything (the NIC stays). An
+    /// allowlist entry naming only never-reached networks is refused
+    /// ([`crate::PolicyError::NeverReached`]) and the old policy stays.
     pub fn set_policy(&mut self, policy: Policy) -> Result<()> {
-        let resolved = policy.resolve(self.dns)?;
-        let [nets, svcs] = nft::policy_sets(&resolved);
+        let resolved = resolve(&policy, self.dns, &self.never)?;
+        let [nets, svcs, dns] = nft::policy_sets(&resolved);
         self.nft
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .replace(&[nets, svcs])
+            .replace(&[dns, nets, svcs])
             .map_err(NetworkError::Nft)?;
         self.policy = policy;
         Ok(())
@@ -712,6 +752,7 @@ mod tests {
             slots: 1 << 14,
             uplink: File::open("/dev/null").unwrap(),
             uplink_sock: File::open("/dev/null").unwrap(),
+            never: Arc::new(Never::new(&[], cfg.pool, &[], &[]).unwrap()),
             hint: Mutex::new(0),
             config: cfg,
         };

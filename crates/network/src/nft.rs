@@ -3,7 +3,12 @@
 //! batch, no process started) so a policy change or a clone's claim of a slot costs
 //! microseconds.
 //!
-//! The ruleset is static; what changes lives in sets:
+//! The ruleset is static; what changes lives in sets, all written in one batch when a VM
+//! takes its slot (a pooled namespace holds nothing of the VMM that built it):
+//! - `inet mayfly never` (`ipv4_addr`, intervals): the networks no policy reaches (see
+//!   `never.rs`), checked before the allow sets;
+//! - `inet mayfly dns` (`ipv4_addr . inet_proto . inet_service`): TCP/UDP 53 to the resolver,
+//!   the one thing let through to a never-reached address (when the policy is not `none`);
 //! - `inet mayfly allow_net` (`ipv4_addr . inet_proto`, intervals): anything to these networks;
 //! - `inet mayfly allow_svc` (`ipv4_addr . inet_proto . inet_service`, intervals): TCP/UDP to a
 //!   port;
@@ -22,26 +27,19 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use ipnet::Ipv4Net;
 
 use crate::addr::{GUEST_IP, NS_TAP, NS_UPLINK};
-use crate::policy::Resolved;
+use crate::never::Spans;
+use crate::policy::{Resolved, TCP, UDP};
 
-/// The ruleset of a slot's namespace. `snat` is the slot's outside address; `never` the
-/// networks no policy reaches (the slot pool, the configured extras).
-pub(crate) fn ruleset(snat: Ipv4Addr, never: &[Ipv4Net]) -> String {
-    let never: Vec<String> = never.iter().map(|n| n.to_string()).collect();
-    let never_set = if never.is_empty() {
-        "set never { type ipv4_addr; flags interval; }".to_string()
-    } else {
-        format!(
-            "set never {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {} }} }}",
-            never.join(", ")
-        )
-    };
+/// The ruleset of a slot's namespace. `snat` is the slot's outside address. Its sets are
+/// empty (nothing passes) until the slot is claimed.
+pub(crate) fn ruleset(snat: Ipv4Addr) -> String {
     format!(
         r#"
 table inet mayfly {{
     set allow_net {{ type ipv4_addr . inet_proto; flags interval; }}
     set allow_svc {{ type ipv4_addr . inet_proto . inet_service; flags interval; }}
-    {never_set}
+    set never {{ type ipv4_addr; flags interval; }}
+    set dns {{ type ipv4_addr . inet_proto . inet_service; }}
     counter allowed {{ }}
     counter denied {{ }}
     counter spoofed {{ }}
@@ -65,12 +63,14 @@ table inet mayfly {{
     }}
     chain egress {{
         ip saddr != {guest} counter name "spoofed" drop
+        ip daddr . meta l4proto . th dport @dns counter name "allowed" accept
         ip daddr @never counter name "denied" jump refuse
         ip daddr . meta l4proto @allow_net counter name "allowed" accept
         ip daddr . meta l4proto . th dport @allow_svc counter name "allowed" accept
         counter name "denied" jump refuse
     }}
     chain replies {{
+        ip saddr . meta l4proto . th sport @dns accept
         ip saddr . meta l4proto @allow_net accept
         ip saddr . meta l4proto . th sport @allow_svc accept
         meta l4proto icmp ct state related accept
@@ -138,6 +138,7 @@ const NFTA_SET_ELEM_LIST_SET: u16 = 2;
 const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
 const NFTA_LIST_ELEM: u16 = 1;
 const NFTA_SET_ELEM_KEY: u16 = 1;
+const NFTA_SET_ELEM_FLAGS: u16 = 3;
 const NFTA_SET_ELEM_KEY_END: u16 = 10;
 const NFTA_DATA_VALUE: u16 = 1;
 const NLA_F_NESTED: u16 = 0x8000;
@@ -147,11 +148,19 @@ const NLM_F_REQUEST: u16 = 1;
 const NLM_F_ACK: u16 = 4;
 const NLM_F_CREATE: u16 = 0x400;
 const NLMSG_ERROR: u16 = 2;
+const NFT_SET_ELEM_INTERVAL_END: u32 = 1;
+/// Elements per message: a message's element list is one netlink attribute, under 64 KiB.
+const ELEMENTS_PER_MESSAGE: usize = 256;
 
-/// One element of an interval set: its first and last key (inclusive).
+/// One element of a set. In an interval set of concatenations (the allow sets) it is one
+/// range: its first and last key (inclusive). In an interval set of one field (`never`) a
+/// range is two elements: its first key, and the key after its last with `closes` set (none
+/// for a range that runs to the last address).
 pub(crate) struct Element {
     pub start: Vec<u8>,
     pub end: Option<Vec<u8>>,
+    /// This element ends the range before it (NFT_SET_ELEM_INTERVAL_END).
+    pub closes: bool,
 }
 
 /// A set's new contents.
@@ -173,8 +182,8 @@ fn net_range(net: Ipv4Net) -> ([u8; 4], [u8; 4]) {
     (net.network().octets(), net.broadcast().octets())
 }
 
-/// The policy sets for `resolved`.
-pub(crate) fn policy_sets(resolved: &Resolved) -> [SetContents<'static>; 2] {
+/// The policy sets for `resolved`: `allow_net`, `allow_svc` and `dns`.
+pub(crate) fn policy_sets(resolved: &Resolved) -> [SetContents<'static>; 3] {
     let nets = resolved
         .nets
         .iter()
@@ -183,6 +192,7 @@ pub(crate) fn policy_sets(resolved: &Resolved) -> [SetContents<'static>; 2] {
             Element {
                 start: [field(&lo), field(&[0])].concat(),
                 end: Some([field(&hi), field(&[255])].concat()),
+                closes: false,
             }
         })
         .collect();
@@ -195,6 +205,7 @@ pub(crate) fn policy_sets(resolved: &Resolved) -> [SetContents<'static>; 2] {
             Element {
                 start: [field(&lo), field(&[proto]), field(&port)].concat(),
                 end: Some([field(&hi), field(&[proto]), field(&port)].concat()),
+                closes: false,
             }
         })
         .collect();
@@ -211,7 +222,59 @@ pub(crate) fn policy_sets(resolved: &Resolved) -> [SetContents<'static>; 2] {
             set: "allow_svc",
             elements: services,
         },
+        dns_set(resolved.dns),
     ]
+}
+
+/// The `dns` set: TCP and UDP port 53 to `dns`.
+fn dns_set(dns: Option<Ipv4Addr>) -> SetContents<'static> {
+    let elements = dns
+        .into_iter()
+        .flat_map(|ip| {
+            [TCP, UDP].map(|proto| Element {
+                start: [
+                    field(&ip.octets()),
+                    field(&[proto]),
+                    field(&53u16.to_be_bytes()),
+                ]
+                .concat(),
+                end: None,
+                closes: false,
+            })
+        })
+        .collect();
+    SetContents {
+        family: NFPROTO_INET,
+        table: "mayfly",
+        set: "dns",
+        elements,
+    }
+}
+
+/// The `never` set: each span as its first address and, unless it runs to the last address,
+/// the address after it closing it (how nftables keeps intervals of one field).
+pub(crate) fn never_set(never: &Spans) -> SetContents<'static> {
+    let mut elements = Vec::with_capacity(never.spans().len() * 2);
+    for span in never.spans() {
+        elements.push(Element {
+            start: span.first.to_be_bytes().to_vec(),
+            end: None,
+            closes: false,
+        });
+        if let Some(after) = span.last.checked_add(1) {
+            elements.push(Element {
+                start: after.to_be_bytes().to_vec(),
+                end: None,
+                closes: true,
+            });
+        }
+    }
+    SetContents {
+        family: NFPROTO_INET,
+        table: "mayfly",
+        set: "never",
+        elements,
+    }
 }
 
 /// The MAC set: the guest sends from `mac` only.
@@ -223,6 +286,7 @@ pub(crate) fn mac_set(mac: [u8; 6]) -> SetContents<'static> {
         elements: vec![Element {
             start: mac.to_vec(),
             end: None,
+            closes: false,
         }],
     }
 }
@@ -352,34 +416,39 @@ impl NftSocket {
             flush.str_attr(NFTA_SET_ELEM_LIST_SET, set.set);
             batch.extend(flush.finish());
             acks += 1;
-            if set.elements.is_empty() {
-                continue;
-            }
-            let mut add = Msg::new(
-                msg_type(NFT_MSG_NEWSETELEM),
-                NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE,
-                next(),
-                set.family,
-                0,
-            );
-            add.str_attr(NFTA_SET_ELEM_LIST_TABLE, set.table);
-            add.str_attr(NFTA_SET_ELEM_LIST_SET, set.set);
-            let list = add.nest(NFTA_SET_ELEM_LIST_ELEMENTS);
-            for element in &set.elements {
-                let elem = add.nest(NFTA_LIST_ELEM);
-                let key = add.nest(NFTA_SET_ELEM_KEY);
-                add.attr(NFTA_DATA_VALUE, &element.start);
-                add.end_nest(key);
-                if let Some(end) = &element.end {
-                    let key = add.nest(NFTA_SET_ELEM_KEY_END);
-                    add.attr(NFTA_DATA_VALUE, end);
+            for chunk in set.elements.chunks(ELEMENTS_PER_MESSAGE) {
+                let mut add = Msg::new(
+                    msg_type(NFT_MSG_NEWSETELEM),
+                    NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE,
+                    next(),
+                    set.family,
+                    0,
+                );
+                add.str_attr(NFTA_SET_ELEM_LIST_TABLE, set.table);
+                add.str_attr(NFTA_SET_ELEM_LIST_SET, set.set);
+                let list = add.nest(NFTA_SET_ELEM_LIST_ELEMENTS);
+                for element in chunk {
+                    let elem = add.nest(NFTA_LIST_ELEM);
+                    let key = add.nest(NFTA_SET_ELEM_KEY);
+                    add.attr(NFTA_DATA_VALUE, &element.start);
                     add.end_nest(key);
+                    if let Some(end) = &element.end {
+                        let key = add.nest(NFTA_SET_ELEM_KEY_END);
+                        add.attr(NFTA_DATA_VALUE, end);
+                        add.end_nest(key);
+                    }
+                    if element.closes {
+                        add.attr(
+                            NFTA_SET_ELEM_FLAGS,
+                            &NFT_SET_ELEM_INTERVAL_END.to_be_bytes(),
+                        );
+                    }
+                    add.end_nest(elem);
                 }
-                add.end_nest(elem);
+                add.end_nest(list);
+                batch.extend(add.finish());
+                acks += 1;
             }
-            add.end_nest(list);
-            batch.extend(add.finish());
-            acks += 1;
         }
         batch.extend(
             Msg::new(
@@ -489,8 +558,9 @@ mod tests {
         let r = Resolved {
             nets: vec!["10.0.0.0/8".parse().unwrap()],
             services: vec![("192.0.2.1/32".parse().unwrap(), 6, 443)],
+            dns: Some(Ipv4Addr::new(10, 0, 0, 53)),
         };
-        let [nets, svcs] = policy_sets(&r);
+        let [nets, svcs, dns] = policy_sets(&r);
         assert_eq!(nets.elements[0].start, [10, 0, 0, 0, 0, 0, 0, 0]);
         assert_eq!(
             nets.elements[0].end.as_deref().unwrap(),
@@ -499,6 +569,48 @@ mod tests {
         assert_eq!(
             svcs.elements[0].start,
             [192, 0, 2, 1, 6, 0, 0, 0, 0x01, 0xbb, 0, 0]
+        );
+        let keys: Vec<&[u8]> = dns.elements.iter().map(|e| &e.start[..]).collect();
+        assert_eq!(
+            keys,
+            [
+                &[10, 0, 0, 53, 6, 0, 0, 0, 0, 53, 0, 0][..],
+                &[10, 0, 0, 53, 17, 0, 0, 0, 0, 53, 0, 0][..]
+            ]
+        );
+        assert!(dns.elements.iter().all(|e| e.end.is_none()));
+        let [_, _, none] = policy_sets(&Resolved::default());
+        assert!(none.elements.is_empty(), "policy none: no DNS either");
+    }
+
+    /// As `nft add element inet t s { 0.0.0.0/8, 10.0.0.0/8, 240.0.0.0/4 }` sends them: a
+    /// start element, then the address after the range flagged as the end; no end after a
+    /// range that runs to 255.255.255.255.
+    #[test]
+    fn never_ranges_are_start_and_closing_elements() {
+        let nets: Vec<Ipv4Net> = ["10.0.0.0/8", "0.0.0.0/8", "240.0.0.0/4"]
+            .iter()
+            .map(|n| n.parse().unwrap())
+            .collect();
+        let set = never_set(&Spans::of_nets(&nets));
+        assert_eq!(set.set, "never");
+        let got: Vec<(Vec<u8>, bool)> = set
+            .elements
+            .iter()
+            .map(|e| {
+                assert!(e.end.is_none());
+                (e.start.clone(), e.closes)
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (vec![0, 0, 0, 0], false),
+                (vec![1, 0, 0, 0], true),
+                (vec![10, 0, 0, 0], false),
+                (vec![11, 0, 0, 0], true),
+                (vec![240, 0, 0, 0], false),
+            ]
         );
     }
 }

@@ -19,10 +19,16 @@ pub enum Policy {
     /// No network at all: the VMM creates no NIC. As a runtime change
     /// ([`crate::VmNetwork::set_policy`]) it denies everything, DNS included.
     None,
-    /// Anything but the host's own link addresses (the slot pool) and what
-    /// [`crate::NetworkConfig::never`] lists.
+    /// Anything but the networks a VM never reaches: the host's own addresses, link-local
+    /// (169.254.0.0/16: cloud metadata), the slot pool, loopback, multicast, reserved
+    /// addresses, what [`crate::NetworkConfig::never`] lists, and the private ranges (10/8,
+    /// 172.16/12, 192.168/16, 100.64/10) but for what [`crate::NetworkConfig::reach`] opens.
+    /// Plus DNS to the resolver mayfly names, wherever it is.
     Open,
-    /// These destinations, plus DNS to the resolver mayfly names.
+    /// These destinations, plus DNS to the resolver mayfly names. The networks a VM never
+    /// reaches (see [`Policy::Open`]) stay unreached even if listed: an entry naming nothing
+    /// else is refused when the policy is applied ([`PolicyError::NeverReached`]), and the
+    /// never-reached part of a wider entry (`0.0.0.0/0`, `10.0.0.0/7`) is left out silently.
     Allow(Vec<Rule>),
 }
 
@@ -56,6 +62,9 @@ pub enum PolicyError {
     Ipv6(String),
     #[error("{name:?} does not resolve to an IPv4 address ({why}): use an address, or a name this host can resolve")]
     Unresolvable { name: String, why: String },
+    /// An allowlist entry that names only networks a VM never reaches on this host.
+    #[error("allow={rule}: a VM never reaches any of it: {why}")]
+    NeverReached { rule: String, why: String },
 }
 
 impl FromStr for Policy {
@@ -209,6 +218,9 @@ pub struct Resolved {
     pub nets: Vec<Ipv4Net>,
     /// (network, IP protocol, port) reachable.
     pub services: Vec<(Ipv4Net, u8, u16)>,
+    /// The resolver the guest may reach with DNS (TCP and UDP port 53), even where it is a
+    /// network a VM never reaches otherwise (a host or private address).
+    pub dns: Option<Ipv4Addr>,
 }
 
 pub const TCP: u8 = 6;
@@ -216,18 +228,38 @@ pub const UDP: u8 = 17;
 
 impl Policy {
     /// The destinations this policy allows, names resolved now (and pinned), with DNS to
-    /// `dns` added for an allowlist. Nested entries are folded into the ones containing them.
+    /// `dns` for an allowlist or `open`. Nested entries are folded into the ones containing
+    /// them.
     pub fn resolve(&self, dns: Option<Ipv4Addr>) -> Result<Resolved, PolicyError> {
+        self.resolve_checked(dns, |_| None)
+    }
+
+    /// [`Policy::resolve`], refusing an allowlist entry for which `refuse` (given all the
+    /// networks the entry names, a name's every address) says why it cannot be reached.
+    pub(crate) fn resolve_checked(
+        &self,
+        dns: Option<Ipv4Addr>,
+        refuse: impl Fn(&[Ipv4Net]) -> Option<String>,
+    ) -> Result<Resolved, PolicyError> {
         let mut out = Resolved::default();
         match self {
             Policy::None => {}
-            Policy::Open => out.nets.push(Ipv4Net::default()),
+            Policy::Open => {
+                out.nets.push(Ipv4Net::default());
+                out.dns = dns;
+            }
             Policy::Allow(rules) => {
                 for rule in rules {
                     let nets = match &rule.dest {
                         Dest::Net(net) => vec![*net],
                         Dest::Host(name) => resolve_name(name)?,
                     };
+                    if let Some(why) = refuse(&nets) {
+                        return Err(PolicyError::NeverReached {
+                            rule: rule.to_string(),
+                            why,
+                        });
+                    }
                     for net in nets {
                         match rule.port {
                             None => out.nets.push(net),
@@ -238,10 +270,7 @@ impl Policy {
                         }
                     }
                 }
-                if let Some(dns) = dns {
-                    out.services.push((Ipv4Net::from(dns), UDP, 53));
-                    out.services.push((Ipv4Net::from(dns), TCP, 53));
-                }
+                out.dns = dns;
             }
         }
         out.normalize();
@@ -409,7 +438,8 @@ mod tests {
         let p: Policy = "allow=10.0.0.0/8,10.1.0.0/16,10.2.0.0/16:443,192.0.2.0/24:53,192.0.2.0/25:53,192.0.2.9"
             .parse()
             .unwrap();
-        let r = p.resolve(Some(Ipv4Addr::new(192, 0, 2, 53))).unwrap();
+        let dns = Some(Ipv4Addr::new(192, 0, 2, 53));
+        let r = p.resolve(dns).unwrap();
         assert_eq!(r.nets, vec![net("10.0.0.0/8"), net("192.0.2.9/32")]);
         assert_eq!(
             r.services,
@@ -417,11 +447,35 @@ mod tests {
                 (net("192.0.2.0/24"), TCP, 53),
                 (net("192.0.2.0/24"), UDP, 53)
             ],
-            "DNS to 192.0.2.53 is inside 192.0.2.0/24:53 already"
         );
-        let open = Policy::Open.resolve(None).unwrap();
+        assert_eq!(r.dns, dns, "DNS has a set of its own");
+        let open = Policy::Open.resolve(dns).unwrap();
         assert_eq!(open.nets, vec![net("0.0.0.0/0")]);
-        assert_eq!(Policy::None.resolve(None).unwrap(), Resolved::default());
+        assert_eq!(open.dns, dns);
+        assert_eq!(Policy::None.resolve(dns).unwrap(), Resolved::default());
+    }
+
+    #[test]
+    fn an_entry_the_host_refuses_fails_the_policy_with_the_reason() {
+        let p: Policy = "allow=192.0.2.9,10.0.0.5:443".parse().unwrap();
+        let refuse = |nets: &[Ipv4Net]| {
+            nets.iter()
+                .all(|n| net("10.0.0.0/8").contains(n))
+                .then(|| "10.0.0.0/8 is private".to_string())
+        };
+        let err = p.resolve_checked(None, refuse).unwrap_err();
+        assert_eq!(
+            err,
+            PolicyError::NeverReached {
+                rule: "10.0.0.5/32:443".into(),
+                why: "10.0.0.0/8 is private".into()
+            }
+        );
+        assert!(err
+            .to_string()
+            .starts_with("allow=10.0.0.5/32:443: a VM never reaches"));
+        let p: Policy = "allow=0.0.0.0/0".parse().unwrap();
+        assert!(p.resolve_checked(None, refuse).is_ok());
     }
 
     #[test]

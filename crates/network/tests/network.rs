@@ -1,8 +1,9 @@
 //! mayfly-network against the real kernel, as root, with no VM: a namespace of the test's own
-//! plays the host ("uplink", with servers on addresses of its own standing in for the
-//! internet), and a second namespace per VM plays the guest: its kernel's network stack sits
-//! behind a tap whose frames a relay thread copies to and from the VM's tap descriptor, as the
-//! virtio-net device would. All traffic stays inside namespaces these tests create.
+//! plays the host ("uplink", which routes on to a third namespace, the "internet", holding
+//! servers on addresses of its own), and a second namespace per VM plays the guest: its
+//! kernel's network stack sits behind a tap whose frames a relay thread copies to and from the
+//! VM's tap descriptor, as the virtio-net device would. All traffic stays inside namespaces
+//! these tests create.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -18,10 +19,22 @@ use std::time::{Duration, Instant};
 
 use mayfly_network::*;
 
-/// The "internet" inside the uplink namespace.
+/// The "internet", a namespace behind the uplink: public-range servers...
 const SERVER: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const OTHER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+/// ...a metadata service (link-local)...
+const METADATA: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
+/// ...a private server in a network the tests' configuration opens ([`REACHED`]), and one in a
+/// network it does not.
+const PRIVATE_REACHED: Ipv4Addr = Ipv4Addr::new(10, 9, 0, 1);
+const REACHED: &str = "10.9.0.0/16";
+const PRIVATE_UNLISTED: Ipv4Addr = Ipv4Addr::new(192, 168, 7, 1);
+/// The uplink namespace's own addresses (the host): the resolver (on its loopback), a
+/// public-range address on its interface to the internet, and that link's address.
 const DNS: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 53);
+const HOST_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 200);
+const LINK_UPLINK: Ipv4Addr = Ipv4Addr::new(100, 100, 0, 1);
+const LINK_INTERNET: Ipv4Addr = Ipv4Addr::new(100, 100, 0, 2);
 
 fn require_root_and_tools() {
     assert_eq!(
@@ -74,46 +87,109 @@ fn sh_in(ns: &File, tool: &str, args: &[&str]) -> String {
 
 struct Rig {
     uplink: File,
+    internet: File,
     state_dir: PathBuf,
     network: Network,
+}
+
+fn ns_path(ns: &File) -> String {
+    format!("/proc/{}/fd/{}", std::process::id(), ns.as_raw_fd())
 }
 
 impl Rig {
     fn new(name: &str) -> Self {
         require_root_and_tools();
         let uplink = new_netns();
+        let internet = new_netns();
         sh_in(&uplink, "ip", &["link", "set", "lo", "up"]);
-        for addr in [SERVER, OTHER, DNS] {
+        sh_in(
+            &uplink,
+            "ip",
+            &["addr", "add", &format!("{DNS}/32"), "dev", "lo"],
+        );
+        sh_in(&internet, "ip", &["link", "set", "lo", "up"]);
+        for addr in [SERVER, OTHER, METADATA, PRIVATE_REACHED, PRIVATE_UNLISTED] {
             sh_in(
-                &uplink,
+                &internet,
                 "ip",
                 &["addr", "add", &format!("{addr}/32"), "dev", "lo"],
             );
         }
+        // The uplink routes on to the internet, which routes the VMs' addresses back.
+        sh_in(
+            &uplink,
+            "ip",
+            &[
+                "link",
+                "add",
+                "up0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "inet0",
+                "netns",
+                &ns_path(&internet),
+            ],
+        );
+        for args in [
+            format!("addr add {LINK_UPLINK}/30 dev up0"),
+            format!("addr add {HOST_ADDR}/32 dev up0"),
+            "link set up0 up".to_string(),
+            format!("route add default via {LINK_INTERNET}"),
+        ] {
+            sh_in(&uplink, "ip", &args.split(' ').collect::<Vec<_>>());
+        }
+        let pool = NetworkConfig::default().pool;
+        for args in [
+            format!("addr add {LINK_INTERNET}/30 dev inet0"),
+            "link set inet0 up".to_string(),
+            format!("route add {pool} via {LINK_UPLINK}"),
+        ] {
+            sh_in(&internet, "ip", &args.split(' ').collect::<Vec<_>>());
+        }
+        run_in(&uplink, || {
+            std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").unwrap()
+        })
+        .unwrap();
         let state_dir =
             std::env::temp_dir().join(format!("mayfly-net-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&state_dir);
         let network = Network::new(config(&state_dir, &uplink)).unwrap();
         Self {
             uplink,
+            internet,
             state_dir,
             network,
         }
     }
 
-    /// A TCP server in the uplink namespace that answers each connection with the client's
-    /// address, then echoes.
+    /// The namespace holding `ip`.
+    fn ns_of(&self, ip: Ipv4Addr) -> &File {
+        if [DNS, HOST_ADDR, LINK_UPLINK].contains(&ip) {
+            &self.uplink
+        } else {
+            &self.internet
+        }
+    }
+
+    /// A TCP server (in the namespace holding its address) that answers each connection with
+    /// the client's address, then echoes.
     fn tcp_server(&self, at: SocketAddr) -> Server {
-        let listener = run_in(&self.uplink, || TcpListener::bind(at))
-            .unwrap()
-            .unwrap();
+        let ns = match at.ip() {
+            std::net::IpAddr::V4(ip) => self.ns_of(ip),
+            other => panic!("{other}"),
+        };
+        let listener = run_in(ns, || TcpListener::bind(at)).unwrap().unwrap();
         Server::start(listener)
     }
 
     fn udp_echo(&self, at: SocketAddr) -> JoinHandle<()> {
-        let sock = run_in(&self.uplink, || UdpSocket::bind(at))
-            .unwrap()
-            .unwrap();
+        let ns = match at.ip() {
+            std::net::IpAddr::V4(ip) => self.ns_of(ip),
+            other => panic!("{other}"),
+        };
+        let sock = run_in(ns, || UdpSocket::bind(at)).unwrap().unwrap();
         sock.set_read_timeout(Some(Duration::from_secs(20)))
             .unwrap();
         std::thread::spawn(move || {
@@ -125,15 +201,24 @@ impl Rig {
     }
 }
 
+/// The tests' configuration: the resolver on the uplink, [`REACHED`] opened.
 fn config(state_dir: &std::path::Path, uplink: &File) -> NetworkConfig {
+    config_with(state_dir, uplink, &[REACHED], &[])
+}
+
+fn config_with(
+    state_dir: &std::path::Path,
+    uplink: &File,
+    reach: &[&str],
+    never: &[&str],
+) -> NetworkConfig {
+    let nets = |list: &[&str]| list.iter().map(|n| n.parse().unwrap()).collect::<Vec<_>>();
     NetworkConfig {
         state_dir: state_dir.to_path_buf(),
-        uplink: Uplink::Path(PathBuf::from(format!(
-            "/proc/{}/fd/{}",
-            std::process::id(),
-            uplink.as_raw_fd()
-        ))),
+        uplink: Uplink::Path(PathBuf::from(ns_path(uplink))),
         dns: Some(DNS),
+        reach: nets(reach),
+        never: nets(never),
         ..NetworkConfig::default()
     }
 }
@@ -355,6 +440,197 @@ fn open_policy_reaches_the_outside_as_the_vms_own_address() {
     vm.destroy().unwrap();
 }
 
+/// A UDP socket connected to `to` hears of a refusal (an ICMP error) at once.
+fn assert_udp_refused_fast(guest: &Guest, to: SocketAddr) {
+    let udp = guest.udp();
+    udp.connect(to).unwrap();
+    udp.send(b"x").unwrap();
+    let start = Instant::now();
+    let mut buf = [0u8; 16];
+    let err = udp.recv(&mut buf).unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(1) && err.kind() != std::io::ErrorKind::WouldBlock,
+        "UDP to {to} should fail fast: {err} after {:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn open_never_reaches_the_host_link_local_or_private_networks_the_operator_did_not_open() {
+    let rig = Rig::new("never-open");
+    let servers: Vec<(Ipv4Addr, Server)> = [
+        SERVER,
+        PRIVATE_REACHED,
+        HOST_ADDR,
+        LINK_UPLINK,
+        METADATA,
+        PRIVATE_UNLISTED,
+    ]
+    .into_iter()
+    .map(|ip| (ip, rig.tcp_server(addr(ip, 8080))))
+    .collect();
+    let _dns_udp = rig.udp_echo(addr(DNS, 53));
+    let dns_tcp = rig.tcp_server(addr(DNS, 53));
+    let _dns_other = rig.udp_echo(addr(DNS, 5353));
+    let mut vm = rig.network.create(&Policy::Open, None).unwrap();
+    let guest = Guest::attach(&mut vm);
+    let outside = vm.outside_ip().to_string();
+    let never = sh_in(
+        vm.namespace(),
+        "nft",
+        &["list", "set", "inet", "mayfly", "never"],
+    );
+    for net in [
+        "0.0.0.0/8",
+        "10.0.0.0-10.8.255.255",
+        "10.10.0.0-10.255.255.255",
+        "169.254.0.0/16",
+        "192.168.0.0/16",
+        "198.51.100.53",
+        "203.0.113.200",
+        "224.0.0.0/3",
+    ] {
+        assert!(never.contains(net), "{net} is not in {never}");
+    }
+
+    // (e) The internet, and (d) a private network the operator opened.
+    assert_eq!(guest.seen_as(addr(SERVER, 8080)), outside);
+    assert_eq!(guest.seen_as(addr(PRIVATE_REACHED, 8080)), outside);
+
+    let before = vm.counters().unwrap().denied;
+    // (a) The host: an address of the uplink's own interface (public range, too), the
+    // address of its link to the internet, the host side of the VM's own link.
+    let (_, host_ip) = vm.host_link();
+    for ip in [HOST_ADDR, LINK_UPLINK, host_ip] {
+        assert_refused_fast(&guest, addr(ip, 8080));
+    }
+    // (b) Link-local: the metadata service. (c) A private network nobody opened.
+    assert_refused_fast(&guest, addr(METADATA, 8080));
+    assert_refused_fast(&guest, addr(PRIVATE_UNLISTED, 8080));
+    for (ip, server) in &servers {
+        if ![SERVER, PRIVATE_REACHED].contains(ip) {
+            assert!(server.peers().is_empty(), "{ip} was reached");
+        }
+    }
+
+    // The resolver is a host address too: DNS reaches it (UDP and TCP port 53), nothing else.
+    let udp = guest.udp();
+    udp.send_to(b"query", addr(DNS, 53)).unwrap();
+    let mut buf = [0u8; 16];
+    assert_eq!(udp.recv_from(&mut buf).unwrap().0, 5);
+    assert_eq!(guest.seen_as(addr(DNS, 53)), outside);
+    assert_eq!(dns_tcp.peers().len(), 1);
+    assert_udp_refused_fast(&guest, addr(DNS, 5353));
+    assert_refused_fast(&guest, addr(HOST_ADDR, 53));
+
+    let denied = vm.counters().unwrap().denied - before;
+    assert!(denied >= 7, "denied attempts are counted: {denied}");
+}
+
+#[test]
+fn an_allowlist_cannot_name_what_a_vm_never_reaches() {
+    let rig = Rig::new("never-allow");
+    let _servers: Vec<Server> = [SERVER, PRIVATE_REACHED, METADATA, PRIVATE_UNLISTED]
+        .into_iter()
+        .map(|ip| rig.tcp_server(addr(ip, 8080)))
+        .collect();
+    for (policy, says) in [
+        (format!("allow={PRIVATE_UNLISTED}:8080"), "--net-reach"),
+        (format!("allow={METADATA}"), "link-local"),
+        (format!("allow={HOST_ADDR}:8080"), "this host's own"),
+        ("allow=10.200.0.0/16".to_string(), "pool"),
+        ("allow=10.0.0.0/8:443,localhost:80".to_string(), "loopback"),
+    ] {
+        let err = match rig.network.create(&policy.parse().unwrap(), None) {
+            Ok(vm) => panic!("{policy} was applied (slot {})", vm.slot()),
+            Err(e) => e,
+        };
+        assert!(
+            matches!(err, NetworkError::Policy(PolicyError::NeverReached { .. })),
+            "{policy}: {err:?}"
+        );
+        assert!(err.to_string().contains(says), "{policy}: {err}");
+    }
+
+    // What the operator opened can be named; a wider entry reaches only what is not never
+    // reached.
+    let policy: Policy = format!("allow={PRIVATE_REACHED}:8080,0.0.0.0/0:8080")
+        .parse()
+        .unwrap();
+    let mut vm = rig.network.create(&policy, None).unwrap();
+    let guest = Guest::attach(&mut vm);
+    let outside = vm.outside_ip().to_string();
+    assert_eq!(guest.seen_as(addr(PRIVATE_REACHED, 8080)), outside);
+    assert_eq!(guest.seen_as(addr(SERVER, 8080)), outside);
+    assert_refused_fast(&guest, addr(METADATA, 8080));
+    assert_refused_fast(&guest, addr(PRIVATE_UNLISTED, 8080));
+
+    // At run time too, and the policy in force stays.
+    let err = vm
+        .set_policy(format!("allow={METADATA}").parse().unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(err, NetworkError::Policy(PolicyError::NeverReached { .. })),
+        "{err:?}"
+    );
+    assert_eq!(vm.policy(), &policy);
+    assert_eq!(guest.seen_as(addr(SERVER, 8080)), outside);
+}
+
+/// A VM network from the one pooled slot. A create passes over a pooled slot whose lock is
+/// held for a moment (a process another test forks holds a copy until it execs) and builds a
+/// slot instead: those are kept (returned) until the pooled one is claimed.
+fn claim_the_pooled_slot(network: &Network) -> (VmNetwork, Vec<VmNetwork>) {
+    assert_eq!(network.pooled(), 1);
+    let mut others = Vec::new();
+    for _ in 0..20 {
+        let vm = network.create(&Policy::Open, None).unwrap();
+        if network.pooled() == 0 {
+            return (vm, others);
+        }
+        others.push(vm);
+    }
+    panic!("the pooled slot was never claimed");
+}
+
+#[test]
+fn a_pooled_namespace_gets_the_never_set_of_the_vmm_that_claims_it() {
+    let rig = Rig::new("never-pool");
+    let _servers: Vec<Server> = [SERVER, OTHER, PRIVATE_REACHED]
+        .into_iter()
+        .map(|ip| rig.tcp_server(addr(ip, 8080)))
+        .collect();
+    // Two VMMs over one pool: one keeps VMs from OTHER and opens nothing private, the other
+    // opens REACHED and keeps nothing more.
+    let strict = Network::new(config_with(
+        &rig.state_dir,
+        &rig.uplink,
+        &[],
+        &[&format!("{OTHER}/32")],
+    ))
+    .unwrap();
+    let open = Network::new(config_with(&rig.state_dir, &rig.uplink, &[REACHED], &[])).unwrap();
+
+    assert_eq!(strict.prewarm(1).unwrap(), 1);
+    let (mut vm, _others) = claim_the_pooled_slot(&open);
+    let guest = Guest::attach(&mut vm);
+    let outside = vm.outside_ip().to_string();
+    assert_eq!(guest.seen_as(addr(OTHER, 8080)), outside);
+    assert_eq!(guest.seen_as(addr(PRIVATE_REACHED, 8080)), outside);
+    drop(guest);
+    vm.destroy().unwrap();
+
+    assert_eq!(open.prewarm(1).unwrap(), 1);
+    let (mut vm, _others) = claim_the_pooled_slot(&strict);
+    let guest = Guest::attach(&mut vm);
+    assert_eq!(
+        guest.seen_as(addr(SERVER, 8080)),
+        vm.outside_ip().to_string()
+    );
+    assert_refused_fast(&guest, addr(OTHER, 8080));
+    assert_refused_fast(&guest, addr(PRIVATE_REACHED, 8080));
+}
+
 #[test]
 fn an_allowlist_lets_out_only_what_it_lists_and_denials_fail_fast_and_are_counted() {
     let rig = Rig::new("allow");
@@ -379,16 +655,7 @@ fn an_allowlist_lets_out_only_what_it_lists_and_denials_fail_fast_and_are_counte
     let mut buf = [0u8; 16];
     assert_eq!(udp.recv_from(&mut buf).unwrap().0, 5);
     // UDP elsewhere is refused with an ICMP error: a connected socket hears of it.
-    let udp = guest.udp();
-    udp.connect(addr(OTHER, 5353)).unwrap();
-    udp.send(b"x").unwrap();
-    let start = Instant::now();
-    let err = udp.recv(&mut buf).unwrap_err();
-    assert!(
-        start.elapsed() < Duration::from_secs(1) && err.kind() != std::io::ErrorKind::WouldBlock,
-        "UDP to a denied address should fail fast: {err} after {:?}",
-        start.elapsed()
-    );
+    assert_udp_refused_fast(&guest, addr(OTHER, 5353));
     let denied = vm.counters().unwrap().denied - before;
     assert!(denied >= 3, "denied attempts are counted: {denied}");
 }
@@ -862,5 +1129,19 @@ fn bad_configuration_is_refused_with_reasons() {
         Network::new(long),
         Err(NetworkError::BadPrefix(_))
     ));
+    for reach in ["169.254.0.0/16", "198.51.100.0/24", "10.0.0.0/7"] {
+        let bad = NetworkConfig {
+            state_dir: dir.clone(),
+            reach: vec![reach.parse().unwrap()],
+            ..NetworkConfig::default()
+        };
+        match Network::new(bad) {
+            Err(e @ NetworkError::BadReach(_)) => {
+                assert!(e.to_string().contains("only private networks"), "{e}")
+            }
+            Err(e) => panic!("reach {reach}: {e}"),
+            Ok(_) => panic!("reach {reach} was taken"),
+        }
+    }
     let _ = std::fs::remove_dir_all(dir);
 }

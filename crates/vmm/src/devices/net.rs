@@ -6,6 +6,11 @@
 //!   reach. `--net open` and `--net allow=CIDR[:PORT],...` give it a virtio-net NIC whose tap
 //!   lives in a network namespace of the VM's own, the policy enforced there by nftables,
 //!   outside the guest's reach.
+//! - Whatever the policy, a VM never reaches the host's own addresses, link-local (cloud
+//!   metadata), the slot pool, loopback, multicast, reserved addresses, the private ranges but
+//!   for what `--net-reach` opens, and what `--net-never` adds; DNS to `--net-dns` is the one
+//!   exception. An allowlist entry naming only such networks is refused when the policy is
+//!   applied (see `mayfly_network::Policy`).
 //! - The guest's address is the same in every VM (`mayfly_network::GUEST_IP`/30 behind the
 //!   gateway `GATEWAY_IP`), so a restored VM and every clone keep a configuration that works;
 //!   outside, each VM's traffic leaves from its own address (SNAT to its slot's address). The
@@ -23,9 +28,13 @@ use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::str::FromStr;
 
-use mayfly_network::{GuestConfig, MacAddr, Network, NetworkConfig, Policy, Uplink, VmNetwork};
+use mayfly_network::{
+    GuestConfig, Ipv4Net, MacAddr, Network, NetworkConfig, Policy, Uplink, VmNetwork,
+};
 
-/// Where VM networks are made on this host: `--net-dir`, `--net-uplink`, `--net-dns`.
+/// Where VM networks are made on this host: `--net-dir`, `--net-uplink`, `--net-dns`,
+/// `--net-reach`, `--net-never`. A restore takes them from its command line, a clone from its
+/// parent.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NetSettings {
     /// Slot locks and pooled namespaces (`mayfly_network::NetworkConfig::state_dir`).
@@ -34,6 +43,12 @@ pub struct NetSettings {
     pub uplink: Option<PathBuf>,
     /// The resolver guests are told to use; an allowlist lets DNS reach it and nothing else.
     pub dns: Option<Ipv4Addr>,
+    /// The private networks policies may reach (`mayfly_network::NetworkConfig::reach`).
+    #[serde(default)]
+    pub reach: Vec<Ipv4Net>,
+    /// More networks no VM reaches (`mayfly_network::NetworkConfig::never`).
+    #[serde(default)]
+    pub never: Vec<Ipv4Net>,
 }
 
 impl Default for NetSettings {
@@ -42,6 +57,8 @@ impl Default for NetSettings {
             state_dir: NetworkConfig::default().state_dir,
             uplink: None,
             dns: None,
+            reach: Vec::new(),
+            never: Vec::new(),
         }
     }
 }
@@ -118,6 +135,8 @@ pub fn attach(
             None => Uplink::Current,
         },
         dns: settings.dns,
+        reach: settings.reach.clone(),
+        never: settings.never.clone(),
         ..NetworkConfig::default()
     };
     let network = Network::new(config)?;
@@ -189,6 +208,27 @@ mod tests {
         assert_eq!(
             guest_cmdline_arg(&no_dns),
             "mayfly.net=172.16.0.2/30,172.16.0.1"
+        );
+    }
+
+    /// A clone's settings reach its zygote serialized: what the host keeps out goes with them,
+    /// and settings without it read as nothing opened, nothing more kept out.
+    #[test]
+    fn reach_and_never_travel_with_the_settings() {
+        let settings = NetSettings {
+            reach: vec!["10.1.0.0/16".parse().unwrap()],
+            never: vec!["198.51.100.0/24".parse().unwrap()],
+            ..NetSettings::default()
+        };
+        let json = serde_json::to_string(&settings).unwrap();
+        assert_eq!(
+            serde_json::from_str::<NetSettings>(&json).unwrap(),
+            settings
+        );
+        let old = r#"{"state_dir": "/run/mayfly/net", "uplink": null, "dns": null}"#;
+        assert_eq!(
+            serde_json::from_str::<NetSettings>(old).unwrap(),
+            NetSettings::default()
         );
     }
 
