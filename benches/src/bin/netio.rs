@@ -8,10 +8,12 @@
 //! creates), the same kernel, initramfs and guest address. mayfly opens its own with `--net
 //! open`; QEMU (microvm, `virtio-net-device`, vhost off: a userspace device like mayfly's) is
 //! handed the tap of one made here (`-netdev tap,fd=3`), with that network's MAC. The servers
-//! live in the uplink namespace: a sink (the guest sends), a source (the guest receives) and
-//! the address pinged; each transfer is timed by the server, from the connection to the last
-//! byte (sink) or to the guest's close after the last byte (source). The guest is driven over
-//! its serial console, the same way for both.
+//! live in an "internet" namespace behind the uplink (a veth between the two, forwarding on in
+//! the uplink, routes both ways; a VM never reaches the uplink's own addresses, which are the
+//! host's), on a public documentation address: a sink (the guest sends), a source (the guest
+//! receives) and the address pinged; each transfer is timed by the server, from the connection
+//! to the last byte (sink) or to the guest's close after the last byte (source). The guest is
+//! driven over its serial console, the same way for both.
 //!
 //! Targets (issue "Network"): throughput >= QEMU's in the same run (ratio >= 1.0).
 // Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
@@ -42,7 +44,11 @@ use mayfly_tests::guest::{Guest, TestDir};
 use mayfly_vmm::config::DEFAULT_CMDLINE;
 use serde::Serialize;
 
+/// The servers' address (a public documentation one), in the internet namespace.
 const SERVER: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+/// The link between the uplink and the internet (a /30).
+const LINK_UPLINK: Ipv4Addr = Ipv4Addr::new(100, 100, 0, 1);
+const LINK_INTERNET: Ipv4Addr = Ipv4Addr::new(100, 100, 0, 2);
 const SINK_PORT: u16 = 5001;
 const SOURCE_PORT: u16 = 5002;
 
@@ -95,48 +101,104 @@ struct Report {
     ratio_ping: Option<f64>,
 }
 
-/// A network namespace of the benchmark's own, with the server address on its loopback.
-fn uplink_namespace() -> File {
-    let ns = std::thread::spawn(|| {
+/// The namespaces of the benchmark's own: the uplink the VM networks go out to (the host) and
+/// the internet behind it, with the server address on its loopback.
+struct Namespaces {
+    uplink: File,
+    internet: File,
+}
+
+fn new_namespace() -> File {
+    std::thread::spawn(|| {
         // SAFETY: unshare affects only this short-lived thread.
         let rc = unsafe { libc::unshare(libc::CLONE_NEWNET) };
         assert_eq!(rc, 0, "unshare(CLONE_NEWNET): run as root");
         File::open("/proc/thread-self/ns/net").expect("the new namespace")
     })
     .join()
-    .expect("the namespace thread");
-    for args in [
-        vec!["link", "set", "lo", "up"],
-        vec!["addr", "add", "198.51.100.1/32", "dev", "lo"],
-    ] {
-        let fd = ns.as_raw_fd();
-        let mut cmd = Command::new("ip");
-        cmd.args(&args);
-        // SAFETY: setns only, between fork and exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let status = cmd.status().expect("ip (iproute2) is installed");
-        assert!(status.success(), "ip {args:?} in the uplink namespace");
-    }
-    ns
+    .expect("the namespace thread")
 }
 
-fn uplink_path(ns: &File) -> String {
+fn ns_path(ns: &File) -> String {
     format!("/proc/{}/fd/{}", std::process::id(), ns.as_raw_fd())
 }
 
-/// Listeners bound inside `ns`.
-fn listen_in(ns: &File, port: u16) -> TcpListener {
-    // The listener keeps the namespace it was made in.
-    mayfly_network::run_in(ns, || TcpListener::bind((SERVER, port)))
+/// `ip ARGS` (split at spaces) inside `ns`, `what` the namespace's name for errors.
+fn ip_in(ns: &File, what: &str, args: &str) {
+    let fd = ns.as_raw_fd();
+    let mut cmd = Command::new("ip");
+    cmd.args(args.split(' '));
+    // SAFETY: setns only, between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let status = cmd.status().expect("ip (iproute2) is installed");
+    assert!(status.success(), "ip {args} in the {what} namespace");
+}
+
+impl Namespaces {
+    /// The uplink and the internet, joined by a veth: the uplink forwards to the internet
+    /// (its default route), the internet routes the VMs' outside addresses (the slot pool) back.
+    fn new() -> Self {
+        let namespaces = Self {
+            uplink: new_namespace(),
+            internet: new_namespace(),
+        };
+        let (uplink, internet) = (&namespaces.uplink, &namespaces.internet);
+        let pool = NetworkConfig::default().pool;
+        ip_in(internet, "internet", "link set lo up");
+        ip_in(
+            internet,
+            "internet",
+            &format!("addr add {SERVER}/32 dev lo"),
+        );
+        ip_in(uplink, "uplink", "link set lo up");
+        ip_in(
+            uplink,
+            "uplink",
+            &format!(
+                "link add up0 type veth peer name inet0 netns {}",
+                ns_path(internet)
+            ),
+        );
+        for args in [
+            format!("addr add {LINK_UPLINK}/30 dev up0"),
+            "link set up0 up".to_string(),
+            format!("route add default via {LINK_INTERNET}"),
+        ] {
+            ip_in(uplink, "uplink", &args);
+        }
+        for args in [
+            format!("addr add {LINK_INTERNET}/30 dev inet0"),
+            "link set inet0 up".to_string(),
+            format!("route add {pool} via {LINK_UPLINK}"),
+        ] {
+            ip_in(internet, "internet", &args);
+        }
+        mayfly_network::run_in(uplink, || {
+            std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+        })
         .expect("enter the uplink namespace")
-        .expect("bind a server")
+        .expect("turn forwarding on in the uplink namespace");
+        namespaces
+    }
+
+    fn uplink_path(&self) -> String {
+        ns_path(&self.uplink)
+    }
+
+    /// A listener on the server's address, in the internet namespace.
+    fn listen(&self, port: u16) -> TcpListener {
+        // The listener keeps the namespace it was made in.
+        mayfly_network::run_in(&self.internet, || TcpListener::bind((SERVER, port)))
+            .expect("enter the internet namespace")
+            .expect("bind a server")
+    }
 }
 
 /// The sink: each connection's MiB/s, from its accept to its `bytes`th byte.
@@ -300,17 +362,17 @@ fn start_qemu(network: &mut VmNetwork, mem_mib: u64, dir: &TestDir) -> Option<Gu
 fn main() {
     let args = Args::parse();
     let bytes = args.mib << 20;
-    let uplink = uplink_namespace();
-    let sink = sink(listen_in(&uplink, SINK_PORT), bytes);
-    let source = source(listen_in(&uplink, SOURCE_PORT), bytes);
+    let namespaces = Namespaces::new();
+    let sink = sink(namespaces.listen(SINK_PORT), bytes);
+    let source = source(namespaces.listen(SOURCE_PORT), bytes);
     let dir = TestDir::new("netio-bench");
     let mayfly = if args.vmm != "qemu" {
-        Some(run_mayfly(&args, &uplink, &dir, &sink, &source))
+        Some(run_mayfly(&args, &namespaces, &dir, &sink, &source))
     } else {
         None
     };
     let qemu = if args.vmm != "mayfly" {
-        run_qemu(&args, &uplink, &dir, &sink, &source)
+        run_qemu(&args, &namespaces, &dir, &sink, &source)
     } else {
         None
     };
@@ -347,7 +409,7 @@ fn main() {
 
 fn run_mayfly(
     args: &Args,
-    uplink: &File,
+    namespaces: &Namespaces,
     dir: &TestDir,
     sink: &Receiver<f64>,
     source: &Receiver<f64>,
@@ -365,7 +427,7 @@ fn run_mayfly(
         "--net-dir",
         &dir.arg("net"),
         "--net-uplink",
-        &uplink_path(uplink),
+        &namespaces.uplink_path(),
     ]);
     guest.expect_ready();
     let report = measure("mayfly", &mut guest, sink, source, args);
@@ -376,7 +438,7 @@ fn run_mayfly(
 
 fn run_qemu(
     args: &Args,
-    uplink: &File,
+    namespaces: &Namespaces,
     dir: &TestDir,
     sink: &Receiver<f64>,
     source: &Receiver<f64>,
@@ -384,7 +446,7 @@ fn run_qemu(
     eprintln!("netio bench: QEMU baseline");
     let network = Network::new(NetworkConfig {
         state_dir: dir.join("qemu-net"),
-        uplink: Uplink::Path(PathBuf::from(uplink_path(uplink))),
+        uplink: Uplink::Path(PathBuf::from(namespaces.uplink_path())),
         ..NetworkConfig::default()
     })
     .and_then(|n| n.create(&Policy::Open, None));
