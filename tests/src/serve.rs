@@ -194,6 +194,42 @@ impl Drop for Manager {
     }
 }
 
+/// Serve the manager's socket `sock` on a loopback TCP port too (for clients that speak only
+/// TCP, such as schemathesis): each connection is relayed both ways to a connection of its own
+/// to `sock`, on threads that live as long as the test. Returns the address it listens on.
+pub fn tcp_forwarder(sock: &Path) -> std::net::SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+    let addr = listener.local_addr().unwrap();
+    let sock = sock.to_path_buf();
+    std::thread::spawn(move || {
+        for client in listener.incoming().flatten() {
+            let sock = sock.clone();
+            std::thread::spawn(move || {
+                let Ok(manager) = UnixStream::connect(&sock) else {
+                    return;
+                };
+                let (Ok(mut from_client), Ok(mut to_client)) =
+                    (client.try_clone(), client.try_clone())
+                else {
+                    return;
+                };
+                let Ok(mut to_manager) = manager.try_clone() else {
+                    return;
+                };
+                let upstream = std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut from_client, &mut to_manager);
+                    let _ = to_manager.shutdown(std::net::Shutdown::Write);
+                });
+                let _ = std::io::copy(&mut &manager, &mut to_client);
+                let _ = client.shutdown(std::net::Shutdown::Both);
+                let _ = manager.shutdown(std::net::Shutdown::Both);
+                let _ = upstream.join();
+            });
+        }
+    });
+    addr
+}
+
 pub fn alive(pid: u64) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
         && !std::fs::read_to_string(format!("/proc/{pid}/stat"))

@@ -260,3 +260,13 @@ def test_a_revoked_token_is_not_used_again(fake):
     sb.revoke_token()
     sb.info()
     assert fake.requests[1][1]["authorization"] == "Bearer admin-token"
+
+
+def test_a_sandbox_without_an_agent_is_not_waited_for(fake):
+    # Its guest routes answer 409 at once: a create that waited for its agent would fail.
+    fake.answer(201, json.dumps({"name": "own", "state": "running", "token": "t1",
+                                 "spec": {"no_agent": True}}).encode())
+    sb = mayfly.Sandbox.create(name="own", no_agent=True, client=client(fake))
+    assert sb.name == "own"
+    assert len(fake.requests) == 1
+    assert json.loads(fake.requests[0][2]) == {"name": "own", "no_agent": True}

@@ -162,3 +162,37 @@ impl NoBody {
     pub const FIELDS: &'static [&'static str] = &[];
     pub const EXAMPLE: &'static str = "{}";
 }
+
+/// Whole numbers written with a fraction or an exponent (`3092.0`, `1e3`) as the integers
+/// they are, everywhere in `value`: JSON Schema (and so the OpenAPI documents) counts them as
+/// integers, and an integer field should take them; serde's integer types would not.
+/// Numbers with a fraction, and whole ones past what an `i64` or `u64` holds, stay as they are
+/// (and are refused by an integer field as before).
+pub fn whole_numbers_as_integers(value: &mut serde_json::Value) {
+    use serde_json::Value;
+    match value {
+        Value::Number(n) if !n.is_i64() && !n.is_u64() => {
+            let Some(f) = n.as_f64() else { return };
+            // Within ±2^63 (and up to 2^64 for positive ones) an f64 that is whole converts
+            // exactly; anything past that is left to be refused.
+            // 2^64 and -2^63, exactly.
+            const PAST_U64: f64 = 18_446_744_073_709_551_616.0;
+            const I64_MIN: f64 = -9_223_372_036_854_775_808.0;
+            let whole = if f.fract() != 0.0 || !f.is_finite() {
+                None
+            } else if (0.0..PAST_U64).contains(&f) {
+                Some(Value::from(f as u64))
+            } else if (I64_MIN..0.0).contains(&f) {
+                Some(Value::from(f as i64))
+            } else {
+                None
+            };
+            if let Some(whole) = whole {
+                *value = whole;
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(whole_numbers_as_integers),
+        Value::Object(fields) => fields.values_mut().for_each(whole_numbers_as_integers),
+        _ => {}
+    }
+}

@@ -248,9 +248,10 @@ pub fn check_exec_body(body: &[u8]) -> bool {
 
 fn parse_exec(body: &[u8]) -> Result<HttpExec, String> {
     const EXAMPLE: &str = r#"{"argv": ["uname", "-a"]} or {"shell": "ls /", "timeout_ms": 5000}"#;
-    let value: Value = serde_json::from_slice(body).map_err(|e| {
+    let mut value: Value = serde_json::from_slice(body).map_err(|e| {
         format!("the body of POST /vm/exec is not valid JSON ({e}): send e.g. {EXAMPLE}")
     })?;
+    crate::body::whole_numbers_as_integers(&mut value);
     let Value::Object(mut object) = value else {
         return Err(format!(
             "the body of POST /vm/exec must be a JSON object, e.g. {EXAMPLE}"

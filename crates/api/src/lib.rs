@@ -49,7 +49,7 @@ pub use error::ApiError;
 pub use guest::{check_exec_body, GuestRoutes};
 pub use reply::{Delivery, Reply, UntilWritten};
 pub use route::{parse_expose_on, read_and_route, routes};
-pub use server::{ApiServer, Timeouts, MAX_CONNECTIONS};
+pub use server::{ApiServer, Timeouts, MAX_CONNECTIONS, MAX_GUEST_CALLS};
 
 #[cfg(test)]
 mod tests;

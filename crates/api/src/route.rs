@@ -190,8 +190,9 @@ fn typed<T: serde::de::DeserializeOwned>(
     fields: &[&str],
     example: &str,
 ) -> Result<T, String> {
-    let object = json_object(endpoint, body, fields, example)?;
-    serde_path_to_error::deserialize(Value::Object(object)).map_err(|e| {
+    let mut object = Value::Object(json_object(endpoint, body, fields, example)?);
+    crate::body::whole_numbers_as_integers(&mut object);
+    serde_path_to_error::deserialize(object).map_err(|e| {
         let field = e.path().to_string();
         let inner = e.into_inner().to_string();
         format!("the field \"{field}\" of {endpoint} {}", must_be(&inner))

@@ -8,7 +8,7 @@ use std::io::Write;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -46,6 +46,14 @@ impl Default for Timeouts {
 
 /// Connections served at once; past this a new one gets 503 at once.
 pub const MAX_CONNECTIONS: usize = 64;
+/// Calls into the guest (exec, files, `GET /vm/agent`) served at once; past this one gets 503
+/// with `Retry-After` at once. Half of [`MAX_CONNECTIONS`]: each of these waits on the guest,
+/// which may stall or be hostile, and up to its deadline it holds its connection; kept below
+/// the connection cap, they can never take every connection, so pause, resume, snapshot,
+/// fork, shutdown and `GET /vm` always find one (a newcomer also takes the place of the
+/// slowest sender). Half still lets a client run dozens of commands side by side.
+pub const MAX_GUEST_CALLS: usize = MAX_CONNECTIONS / 2;
+const _: () = assert!(MAX_GUEST_CALLS < MAX_CONNECTIONS);
 /// How often a server waiting for the VM checks whether it is being stopped.
 const STOP_CHECK: Duration = Duration::from_millis(50);
 
@@ -60,6 +68,46 @@ struct Shared {
     idle: std::sync::Condvar,
     /// Serves the routes into the guest (exec, files).
     guest: Arc<dyn GuestRoutes>,
+    /// Guest calls being served (at most [`MAX_GUEST_CALLS`]).
+    guest_calls: AtomicUsize,
+}
+
+/// A guest call's place in the guest lane, held while it is served and answered.
+struct GuestLane<'a>(&'a Shared);
+
+impl<'a> GuestLane<'a> {
+    /// A place, or None when [`MAX_GUEST_CALLS`] are taken.
+    fn enter(shared: &'a Shared) -> Option<Self> {
+        shared
+            .guest_calls
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < MAX_GUEST_CALLS).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| GuestLane(shared))
+    }
+}
+
+impl Drop for GuestLane<'_> {
+    fn drop(&mut self) {
+        self.0.guest_calls.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The answer to a guest call when the guest lane is full: 503, retry in a second.
+fn guest_lane_full(stream: &UnixStream) {
+    let reply = Reply::error(
+        503,
+        format!(
+            "the VM is serving {MAX_GUEST_CALLS} calls into its guest already (exec, files, \
+             agent): that is the most it takes at once, so that pause, snapshot and the other \
+             control actions always get through. Retry in a moment, or end calls you no longer \
+             need (closing a call's connection ends it)"
+        ),
+    );
+    let bytes = http::encode_response(reply.status, reply.body.as_ref(), &[("Retry-After", "1")]);
+    let _ = (&*stream).write_all(&bytes);
+    let _ = stream.shutdown(std::net::Shutdown::Write);
 }
 
 /// A connection as the server keeps track of it.
@@ -143,6 +191,7 @@ impl ApiServer {
             active: Mutex::new(0),
             idle: std::sync::Condvar::new(),
             guest,
+            guest_calls: AtomicUsize::new(0),
         });
         // From here on, dropping `server` removes the socket file, also on the errors below.
         let mut server = ApiServer {
@@ -409,6 +458,19 @@ fn serve_connection<E>(
         None if tracked => return,
         None => {}
     }
+    // A call into the guest takes a place in the guest lane for as long as it is served and
+    // answered; with none free it is answered 503 at once.
+    let _lane = match &read {
+        Ok(request) if guest::serves(&request.path) => match GuestLane::enter(shared) {
+            Some(lane) => Some(lane),
+            None => {
+                guest_lane_full(&stream);
+                lock(&shared.current).remove(&id);
+                return;
+            }
+        },
+        _ => None,
+    };
     let answer = match read {
         Err(Refusal::Silent) => None,
         // Stopping cut the read short.
@@ -417,7 +479,11 @@ fn serve_connection<E>(
         }
         Err(Refusal::Reply { status, message }) => Some((Reply::error(status, message), None)),
         Ok(request) if guest::serves(&request.path) => match guest::parse(&request) {
-            Err(reply) => Some((reply, None)),
+            // A 405 names the methods the path serves (RFC 9110).
+            Err(reply) => {
+                let allow = (reply.status == 405).then(|| guest::methods(&request.path));
+                Some((reply, allow))
+            }
             Ok(call) => {
                 let state = || {
                     let reply = ask(Action::Describe, shared, events, wrap, timeouts.reply);
@@ -440,11 +506,12 @@ fn serve_connection<E>(
         },
         Ok(request) => Some(match route(&request) {
             Ok(action) => (ask(action, shared, events, wrap, timeouts.reply), None),
-            Err(Rejection { reply, allow }) => (reply, allow),
+            Err(Rejection { reply, allow }) => (reply, allow.map(str::to_owned)),
         }),
     };
     if let Some((reply, allow)) = answer {
         let headers: Vec<(&str, &str)> = allow
+            .as_deref()
             .map(|methods| ("Allow", methods))
             .into_iter()
             .collect();

@@ -437,7 +437,49 @@ fn wrong_methods_get_405_with_allow() {
         f.error("DELETE", "/vm/fork", None, 405),
         "DELETE /vm/fork is not supported: use PUT /vm/fork"
     );
+    // The guest's routes too, listing every method the path serves.
+    let r = f.raw(b"PATCH /vm/files?path=%2Fx HTTP/1.1\r\n\r\n");
+    assert_eq!(
+        (r.status, r.header("Allow")),
+        (405, Some("PUT, GET, DELETE"))
+    );
+    let r = f.raw(b"GET /vm/exec HTTP/1.1\r\n\r\n");
+    assert_eq!((r.status, r.header("Allow")), (405, Some("POST")));
+    assert!(r.json()["error"].as_str().unwrap().contains("use POST"));
+    // Anything else has none.
+    let r = f.raw(b"POST /vm/exec HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}");
+    assert_eq!((r.status, r.header("Allow")), (400, None));
     assert!(f.actions.try_recv().is_err());
+}
+
+#[test]
+fn whole_numbers_with_a_fraction_are_integers() {
+    let f = serve("whole");
+    assert_eq!(
+        f.request("PUT", "/vm/fork", Some(json!({"count": 3.0}))),
+        (200, json!({"clones": 3}))
+    );
+    f.actions.recv().unwrap();
+    assert!(f
+        .error("PUT", "/vm/fork", Some(json!({"count": 2.5})), 400)
+        .contains("count"));
+    let mut v = json!({"a": 1e3, "b": [2.0, -4.0, 0.5], "c": {"d": 1e300, "e": "7.0"}});
+    body::whole_numbers_as_integers(&mut v);
+    assert_eq!(
+        v,
+        json!({"a": 1000, "b": [2, -4, 0.5], "c": {"d": 1e300, "e": "7.0"}})
+    );
+    assert!(v["a"].is_u64() && v["b"][1].is_i64());
+    // An exec's integers as well (its body is checked before the guest is asked).
+    assert_eq!(
+        f.error(
+            "POST",
+            "/vm/exec",
+            Some(json!({"argv": ["true"], "timeout_ms": 1000.0})),
+            409
+        ),
+        "the VM has no vsock socket"
+    );
 }
 
 #[test]
@@ -480,7 +522,9 @@ fn bad_bodies_get_400_naming_the_problem() {
     assert!(fork("").contains("\"count\""));
     assert!(fork(r#"{"count": 2, "colour": "red"}"#).contains("\"colour\""));
     // One limit for the API and the fork path: the fork path's is MAX_FORK_COUNT itself.
-    for count in ["-1", "1.5", "\"3\"", "10001", "4294967296", "1e3", "true"] {
+    // (1e3 is the integer 1000, as JSON Schema counts: taken, see
+    // whole_numbers_with_a_fraction_are_integers; 1e300 is past any integer.)
+    for count in ["-1", "1.5", "\"3\"", "10001", "4294967296", "1e300", "true"] {
         let message = fork(&format!(r#"{{"count": {count}}}"#));
         assert!(
             message.contains("\"count\"") && message.contains("10000"),

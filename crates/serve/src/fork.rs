@@ -58,11 +58,11 @@ fn clone_names(
     request: &ForkRequest,
 ) -> Result<Vec<String>, ServeError> {
     let bad = |m: String| Err(ServeError::BadRequest(m));
+    crate::records::check_idle_timeout(request.idle_timeout_s).map_err(ServeError::BadRequest)?;
     let names =
         match (&request.names, request.count) {
             (Some(names), None) => names.clone(),
-            (Some(names), Some(count)) if count == names.len() => names.clone(),
-            (Some(_), Some(_)) => return bad("\"count\" and \"names\" disagree: give one".into()),
+            (Some(_), Some(_)) => return bad("give \"count\" or \"names\", not both".into()),
             (None, Some(count)) => {
                 if count == 0 || count > MAX_CLONES {
                     return bad(format!("\"count\" must be 1 to {MAX_CLONES}"));
@@ -71,11 +71,13 @@ fn clone_names(
                 let mut k = 1usize;
                 while names.len() < count {
                     let name = format!("{source}-{k}");
+                    // The source's name leaves no room for a number: the request is fine,
+                    // the name it meets is not.
                     if !valid_name(&name) {
-                        return bad(format!(
+                        return Err(ServeError::Conflict(format!(
                             "{name:?} would be too long for a sandbox name: give the clones' \
                          \"names\""
-                        ));
+                        )));
                     }
                     if manager.get(&name).is_none() {
                         names.push(name);

@@ -17,7 +17,7 @@
 //! | `POST /sandboxes/NAME/fork`             | admin   | N new sandboxes from one snapshot of it (see `fork.rs`) |
 //! | `PUT /sandboxes/NAME/token`             | admin   | a new token (the old one stops working) |
 //! | `DELETE /sandboxes/NAME/token`          | admin   | revoke its token                      |
-//! | any `/sandboxes/NAME/vm...`             | either  | passed to its VMM as `/vm...` (woken first) |
+//! | any `/sandboxes/NAME/vm...`             | either  | passed to its VMM as `/vm...` (woken first; what it would refuse, refused here) |
 //! | `GET /metrics`                          | none    | Prometheus text                       |
 //! | `GET /openapi.json`                     | none    | the API's OpenAPI document ([`OPENAPI`]) |
 //!

@@ -37,6 +37,8 @@ use crate::util::{lock, now_ms};
 /// Requests passed to one sandbox's VMM at once: a VMM that stalls holds at most these of the
 /// manager's connections.
 const MAX_REQUESTS_PER_SANDBOX: usize = 64;
+/// How long a VMM that could not be reached is given to end, before it is taken for alive.
+const VMM_ENDING: Duration = Duration::from_millis(500);
 
 /// A request in flight for a sandbox: it counts as activity until dropped.
 pub struct Activity<'a> {
@@ -74,8 +76,10 @@ impl Manager {
         let sock = dir.join("vm.sock");
         // The vsock socket beside it is the longest path the VMM binds.
         let longest = sock.as_os_str().len() + ".vsock_4294967295".len();
+        // A valid name, too long for where this manager keeps its sandboxes: a conflict with
+        // its --state-dir, not a bad request.
         if longest > mayfly_sys::socket::MAX_SOCKET_PATH {
-            return Err(ServeError::BadRequest(format!(
+            return Err(ServeError::Conflict(format!(
                 "the sandbox's sockets under {} would be {longest} bytes long, over the {} a \
                  Unix socket path may have: give a shorter name, or serve from a shorter \
                  --state-dir",
@@ -426,6 +430,41 @@ impl Manager {
         Ok((activity, sandbox.socket()))
     }
 
+    /// After its VMM could not be reached (or closed a connection without an answer): if it
+    /// has ended, or ends within a moment (a VMM that just died lets go of its socket before
+    /// its process is gone), the sandbox is dead, and the error says so as
+    /// [`Manager::ensure_running`] does; Ok if it still runs (the fault is then elsewhere).
+    pub fn check_vmm_alive(&self, sandbox: &Sandbox) -> Result<(), ServeError> {
+        let mut inner = lock(&sandbox.inner);
+        if inner.record.state == State::Running {
+            let ended = inner
+                .vmm
+                .as_mut()
+                .is_none_or(|vmm| vmm.wait_exit(VMM_ENDING));
+            if !ended {
+                return Ok(());
+            }
+            self.note_death(sandbox, &mut inner);
+        }
+        match inner.record.state {
+            State::Running | State::Suspended => Ok(()),
+            State::Dead => Err(ServeError::Conflict(format!(
+                "sandbox {} is dead: {}",
+                sandbox.name,
+                inner.record.died.as_deref().unwrap_or("its VMM ended")
+            ))),
+            State::Deleting => Err(ServeError::NotFound(format!(
+                "sandbox {} is being deleted",
+                sandbox.name
+            ))),
+            State::Starting | State::Suspending => Err(ServeError::Conflict(format!(
+                "sandbox {} is {}: try again",
+                sandbox.name,
+                inner.record.state.name()
+            ))),
+        }
+    }
+
     /// Wake the sandbox if it sleeps (one wake however many ask at once).
     /// `back_to_snapshot`: a dead sandbox with a snapshot goes back to it (an explicit
     /// `PUT .../resume` only).
@@ -652,11 +691,15 @@ impl Manager {
         if let Some(mut vmm) = inner.vmm.take() {
             vmm.kill();
         }
-        std::fs::remove_dir_all(sandbox.dir()).map_err(|source| ServeError::Io {
-            what: "remove",
-            path: sandbox.dir().display().to_string(),
-            source,
-        })?;
+        // Gone already: another delete of it finished while this one waited for its lock.
+        match std::fs::remove_dir_all(sandbox.dir()) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            other => other.map_err(|source| ServeError::Io {
+                what: "remove",
+                path: sandbox.dir().display().to_string(),
+                source,
+            })?,
+        }
         drop(inner);
         lock(&self.sandboxes).remove(&sandbox.name);
         self.event("deleted", &sandbox.name, json!({}));

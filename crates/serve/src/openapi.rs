@@ -4,7 +4,9 @@
 
 /// The API described: an OpenAPI 3.1 document, served at `GET /openapi.json`. The unit tests
 /// check that its operations are [`ROUTES`] and the VMM's routes under
-/// `/sandboxes/{name}/vm`; `tests/tests/host_serve.rs` sends each to a running manager.
+/// `/sandboxes/{name}/vm`; `tests/tests/host_serve.rs` sends each to a running manager, and
+/// `tests/tests/host_openapi.rs` has schemathesis check a running manager against all of it
+/// (statuses, bodies, headers, what it must accept and what it must refuse).
 pub const OPENAPI: &str = include_str!("openapi.json");
 
 /// The manager's own routes, as (method, path with `{name}` for a sandbox's name); every
@@ -88,7 +90,7 @@ mod tests {
                 );
             }
         }
-        // Every $ref names a schema that is there.
+        // Every $ref names a schema, a response or a parameter that is there.
         fn refs(v: &Value, out: &mut Vec<String>) {
             match v {
                 Value::Object(o) => {
@@ -104,11 +106,16 @@ mod tests {
         let mut all = Vec::new();
         refs(&doc, &mut all);
         for r in all {
-            let name = r
-                .strip_prefix("#/components/schemas/")
-                .unwrap_or_else(|| panic!("{r}: only local schema refs"));
+            let (kind, name) = r
+                .strip_prefix("#/components/")
+                .and_then(|rest| rest.split_once('/'))
+                .unwrap_or_else(|| panic!("{r}: only refs to the document's own components"));
             assert!(
-                doc["components"]["schemas"][name].is_object(),
+                ["schemas", "responses", "parameters"].contains(&kind),
+                "{r}: a schema, a response or a parameter"
+            );
+            assert!(
+                doc["components"][kind][name].is_object(),
                 "{r} is not defined"
             );
         }

@@ -9,13 +9,26 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ServeError;
-use crate::template::{check_paths, Template};
+use crate::template::{check_machine, check_paths, check_rootfs, Template};
 use crate::util::write_atomically;
 
 /// The longest idle timeout: a year.
 const MAX_IDLE_TIMEOUT_S: u64 = 365 * 86_400;
-/// The longest `acts_for` label.
+/// The longest `acts_for` label, in characters.
 const MAX_ACTS_FOR: usize = 256;
+/// The idle timeout a create or a fork gives, checked.
+pub fn check_idle_timeout(idle_timeout_s: Option<u64>) -> Result<(), String> {
+    if idle_timeout_s == Some(0) {
+        return Err("\"idle_timeout_s\" must be at least 1 (leave it out for never)".into());
+    }
+    if idle_timeout_s.is_some_and(|t| t > MAX_IDLE_TIMEOUT_S) {
+        return Err(format!(
+            "\"idle_timeout_s\" must be at most {MAX_IDLE_TIMEOUT_S} (a year; leave it out \
+             for never)"
+        ));
+    }
+    Ok(())
+}
 
 /// The record's file name in a sandbox's directory.
 pub const RECORD: &str = "sandbox.json";
@@ -77,10 +90,13 @@ impl Spec {
     /// Check what can be checked before anything is made.
     pub fn check(&self) -> Result<(), String> {
         if let Some(who) = &self.acts_for {
-            if who.is_empty() || who.len() > MAX_ACTS_FOR || who.chars().any(char::is_control) {
+            if who.is_empty()
+                || who.chars().count() > MAX_ACTS_FOR
+                || who.chars().any(char::is_control)
+            {
                 return Err(format!(
-                    "\"acts_for\" must be 1 to {MAX_ACTS_FOR} bytes of printable text (a label \
-                     of the platform's own, such as a user id)"
+                    "\"acts_for\" must be 1 to {MAX_ACTS_FOR} characters of printable text (a \
+                     label of the platform's own, such as a user id)"
                 ));
             }
         }
@@ -101,7 +117,8 @@ impl Spec {
                      sandboxes have no NIC yet)"
                     .into());
             }
-            return template.check();
+            template.check()?;
+            return check_idle_timeout(self.idle_timeout_s);
         }
         if self.snapshot.is_some()
             && (self.kernel.is_some()
@@ -123,16 +140,9 @@ impl Spec {
             ("kernel", &self.kernel),
             ("initrd", &self.initrd),
         ])?;
-        if self.idle_timeout_s == Some(0) {
-            return Err("\"idle_timeout_s\" must be at least 1 (leave it out for never)".into());
-        }
-        if self.idle_timeout_s.is_some_and(|t| t > MAX_IDLE_TIMEOUT_S) {
-            return Err(format!(
-                "\"idle_timeout_s\" must be at most {MAX_IDLE_TIMEOUT_S} (a year; leave it out \
-                 for never)"
-            ));
-        }
-        Ok(())
+        check_rootfs(self.rootfs.as_deref())?;
+        check_machine(self.mem_mib, self.vcpus)?;
+        check_idle_timeout(self.idle_timeout_s)
     }
 
     /// The options of `mayfly run` that boot this spec.

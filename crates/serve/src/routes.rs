@@ -61,18 +61,73 @@ fn bearer(request: &Request) -> Option<&str> {
         .map(str::trim)
 }
 
-/// A refusal: its status and its message.
-pub type Refused = (u16, String);
+/// A refusal: its status, its message (the body `{"error": message}`), and for a 405 the
+/// methods the path serves (its `Allow` header, RFC 9110).
+#[derive(Debug)]
+pub struct Refused {
+    pub status: u16,
+    pub message: String,
+    pub allow: Option<String>,
+}
+
+impl Refused {
+    pub fn new(status: u16, message: impl Into<String>) -> Refused {
+        Refused {
+            status,
+            message: message.into(),
+            allow: None,
+        }
+    }
+
+    /// 405: the path serves only the methods in `allow`.
+    fn method(allow: &str, message: impl Into<String>) -> Refused {
+        Refused {
+            allow: Some(allow.to_owned()),
+            ..Refused::new(405, message)
+        }
+    }
+
+    /// What the VMM's own checks answered (see [`check_as_the_vmm_would`]).
+    fn from_reply(reply: &mayfly_api::Reply, allow: Option<String>) -> Refused {
+        let message = reply
+            .body
+            .as_ref()
+            .and_then(|b| b["error"].as_str())
+            .unwrap_or_default();
+        Refused {
+            allow,
+            ..Refused::new(reply.status, message)
+        }
+    }
+}
+
+impl From<ServeError> for Refused {
+    fn from(e: ServeError) -> Refused {
+        Refused::new(e.status(), e.to_string())
+    }
+}
+
+/// Answer a refusal: its status, `{"error": message}`, and `Allow` for a 405.
+pub fn refusal_reply(stream: &UnixStream, refused: &Refused) {
+    let headers: Vec<(&str, &str)> = refused
+        .allow
+        .as_deref()
+        .map(|methods| ("Allow", methods))
+        .into_iter()
+        .collect();
+    let body = json!({ "error": refused.message });
+    let _ = (&mut &*stream).write_all(&http::encode_response(
+        refused.status,
+        Some(&body),
+        &headers,
+    ));
+}
 
 /// The VM routes only the admin token reaches through the manager.
 const ADMIN_VM_ROUTES: [&str; 3] = ["/vm/snapshot", "/vm/net/policy", "/vm/net/expose"];
 
 /// How long the manager waits for a client to take the answer it streams.
 const CLIENT_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
-
-fn refused(e: ServeError) -> Refused {
-    (e.status(), e.to_string())
-}
 
 const NO_TOKEN: &str = "this request needs a token: send Authorization: Bearer TOKEN (the \
     sandbox's, from its create, or the admin token in <state-dir>/admin.token)";
@@ -85,25 +140,36 @@ fn check_token(
     admin_only: bool,
 ) -> Result<bool, Refused> {
     let Some(token) = bearer(request) else {
-        return Err((401, NO_TOKEN.into()));
+        return Err(Refused::new(401, NO_TOKEN));
     };
     if manager.is_admin(token) {
         return Ok(true);
     }
     if admin_only {
-        return Err((
+        return Err(Refused::new(
             403,
-            "this request needs the admin token (<state-dir>/admin.token)".into(),
+            "this request needs the admin token (<state-dir>/admin.token)",
         ));
     }
     match sandbox {
         Some(sandbox) if sandbox.token_is(token) => Ok(false),
-        _ => Err((
+        _ => Err(Refused::new(
             403,
             "the token is not this sandbox's (or was revoked): use the sandbox's own token or \
-             the admin token"
-                .into(),
+             the admin token",
         )),
+    }
+}
+
+/// The methods a sandbox's own route (`/sandboxes/NAME` and what follows it, but `vm`)
+/// serves, for a 405's `Allow`; None for a route that is not one of them.
+fn sandbox_route_methods(tail: &str) -> Option<&'static str> {
+    match tail {
+        "" => Some("GET, DELETE"),
+        "pause" | "resume" => Some("PUT"),
+        "token" => Some("PUT, DELETE"),
+        "fork" => Some("POST"),
+        _ => None,
     }
 }
 
@@ -112,7 +178,7 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
     let path = request.path.as_str();
     if path == "/metrics" {
         if method != "GET" {
-            return Err((405, "GET /metrics".into()));
+            return Err(Refused::method("GET", "GET /metrics"));
         }
         let text = manager.metrics.render(&manager.gauges());
         reply_document(stream, "text/plain; version=0.0.4", &text);
@@ -120,7 +186,7 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
     }
     if path == "/openapi.json" {
         if method != "GET" {
-            return Err((405, "GET /openapi.json".into()));
+            return Err(Refused::method("GET", "GET /openapi.json"));
         }
         reply_document(stream, "application/json", OPENAPI);
         return Ok(());
@@ -128,7 +194,7 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
     if path == "/credentials/verify" {
         check_token(manager, request, None, true)?;
         if method != "POST" {
-            return Err((405, "POST /credentials/verify".into()));
+            return Err(Refused::method("POST", "POST /credentials/verify"));
         }
         #[derive(serde::Deserialize)]
         #[serde(deny_unknown_fields)]
@@ -136,7 +202,7 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
             credential: String,
         }
         let body: Verify = serde_json::from_slice(&request.body).map_err(|e| {
-            (
+            Refused::new(
                 400,
                 format!(
                     "bad body ({e}): send {{\"credential\": \"mfc_...\"}} (the guest's {})",
@@ -155,11 +221,11 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
                 Ok(())
             }
             "POST" => create(manager, request, stream),
-            _ => Err((405, "GET or POST /sandboxes".into())),
+            _ => Err(Refused::method("GET, POST", "GET or POST /sandboxes")),
         };
     }
     let Some(rest) = path.strip_prefix("/sandboxes/") else {
-        return Err((
+        return Err(Refused::new(
             404,
             format!(
                 "no such route: {path} (the manager serves /sandboxes, /metrics and \
@@ -168,17 +234,34 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
         ));
     };
     let (name, tail) = rest.split_once('/').unwrap_or((rest, ""));
+    let token = bearer(request).ok_or_else(|| Refused::new(401, NO_TOKEN))?;
+    // A method the route does not serve is a 405 whatever the sandbox (the routes are the
+    // same for every name, so this gives nothing away).
+    if let Some(allow) = sandbox_route_methods(tail) {
+        if !allow.split(", ").any(|m| m == method) {
+            return Err(Refused::method(
+                allow,
+                format!("{method} is not served on {path}: see the routes in the README"),
+            ));
+        }
+    } else if let Some((_, vm)) = vm_path(path) {
+        if !vmm_serves_method(method, &vm) {
+            // The VMM's own 405, with its Allow.
+            return Err(check_as_the_vmm_would(request, &vm)
+                .err()
+                .unwrap_or_else(|| Refused::new(405, format!("{method} {vm} is not served"))));
+        }
+    }
     let Some(sandbox) = manager.get(name) else {
         // The token is checked first only where it can be: an unknown name says so to the
         // admin, and gets the same 403 as a known one otherwise (names are not given away).
-        let token = bearer(request).ok_or((401, NO_TOKEN.to_string()))?;
         if !manager.is_admin(token) {
-            return Err((
+            return Err(Refused::new(
                 403,
-                "the token is not this sandbox's (or was revoked)".into(),
+                "the token is not this sandbox's (or was revoked)",
             ));
         }
-        return Err((
+        return Err(Refused::new(
             404,
             format!("no sandbox named {name:?}: GET /sandboxes lists them"),
         ));
@@ -188,28 +271,28 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
     match (method, tail) {
         ("GET", "") => reply(stream, 200, &manager.describe(&sandbox)),
         ("DELETE", "") => {
-            manager.delete(&sandbox).map_err(refused)?;
+            manager.delete(&sandbox)?;
             reply(stream, 200, &json!({ "deleted": name }));
         }
         ("PUT", "pause") => {
-            manager.suspend(&sandbox).map_err(refused)?;
+            manager.suspend(&sandbox)?;
             reply(stream, 200, &manager.describe(&sandbox));
         }
         ("PUT", "resume") => {
-            manager.ensure_running(&sandbox, true).map_err(refused)?;
+            manager.ensure_running(&sandbox, true)?;
             reply(stream, 200, &manager.describe(&sandbox));
         }
         ("PUT", "token") => {
-            let token = manager.set_token(&sandbox, false).map_err(refused)?;
+            let token = manager.set_token(&sandbox, false)?;
             reply(stream, 200, &json!({ "name": name, "token": token }));
         }
         ("DELETE", "token") => {
-            manager.set_token(&sandbox, true).map_err(refused)?;
+            manager.set_token(&sandbox, true)?;
             reply(stream, 200, &json!({ "name": name, "token": null }));
         }
         ("POST", "fork") => {
-            let body: ForkRequest = serde_json::from_slice(&request.body).map_err(|e| {
-                (
+            let mut body: Value = serde_json::from_slice(&request.body).map_err(|e| {
+                Refused::new(
                     400,
                     format!(
                         "{e}: send {{\"count\": N}} or {{\"names\": [...]}}, and \
@@ -217,18 +300,22 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
                     ),
                 )
             })?;
-            let forked = fork(manager, &sandbox, &body).map_err(refused)?;
+            mayfly_api::body::whole_numbers_as_integers(&mut body);
+            let body: ForkRequest = serde_json::from_value(body).map_err(|e| {
+                Refused::new(
+                    400,
+                    format!(
+                        "{e}: send {{\"count\": N}} or {{\"names\": [...]}}, and \
+                         \"idle_timeout_s\" if wanted"
+                    ),
+                )
+            })?;
+            let forked = fork(manager, &sandbox, &body)?;
             reply(stream, 201, &forked);
-        }
-        (_, "" | "pause" | "resume" | "token" | "fork") => {
-            return Err((
-                405,
-                format!("{method} is not served on {path}: see the routes in the README"),
-            ))
         }
         _ => {
             let Some((_, vm)) = vm_path(path) else {
-                return Err((
+                return Err(Refused::new(
                     404,
                     format!("no such route: {path} (a sandbox's VM is under /sandboxes/{name}/vm)"),
                 ));
@@ -236,7 +323,7 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
             // What a sandbox's own token may not do to its VM: write a snapshot where it
             // chooses (over another sandbox's, say) or change the network the admin set.
             if !admin && ADMIN_VM_ROUTES.contains(&vm.as_str()) {
-                return Err((
+                return Err(Refused::new(
                     403,
                     format!("{vm} needs the admin token: a sandbox's own token cannot change where its snapshots go or what its network allows"),
                 ));
@@ -248,29 +335,30 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
 }
 
 fn create(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<(), Refused> {
-    let body: Value = serde_json::from_slice(&request.body).map_err(|e| {
-        (
+    let mut body: Value = serde_json::from_slice(&request.body).map_err(|e| {
+        Refused::new(
             400,
             format!("the body is not JSON ({e}): send {{\"name\": \"my-sandbox\", ...}}"),
         )
     })?;
+    mayfly_api::body::whole_numbers_as_integers(&mut body);
     let Value::Object(mut fields) = body else {
-        return Err((
+        return Err(Refused::new(
             400,
-            "send a JSON object: {\"name\": \"my-sandbox\", ...}".into(),
+            "send a JSON object: {\"name\": \"my-sandbox\", ...}",
         ));
     };
     let name = match fields.remove("name") {
         Some(Value::String(name)) => name,
         _ => {
-            return Err((
+            return Err(Refused::new(
                 400,
-                "\"name\" is required: a DNS label such as \"my-sandbox\"".into(),
+                "\"name\" is required: a DNS label such as \"my-sandbox\"",
             ))
         }
     };
     let spec: Spec = serde_json::from_value(Value::Object(fields)).map_err(|e| {
-        (
+        Refused::new(
             400,
             format!(
                 "{e}: a sandbox takes name, snapshot, template, kernel, initrd, cmdline, mem_mib, \
@@ -278,11 +366,101 @@ fn create(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<(
             ),
         )
     })?;
-    let (mut described, token) = manager.create(&name, spec).map_err(refused)?;
+    let (mut described, token) = manager.create(&name, spec)?;
     if let Some(object) = described.as_object_mut() {
         object.insert("token".into(), Value::String(token));
     }
     reply(stream, 201, &described);
+    Ok(())
+}
+
+/// Refuse here what the VMM would refuse (the route table, methods, bodies and query
+/// parameters, checked by the VMM's own code): a request the VMM cannot take wakes no
+/// sleeping sandbox, and a dead one's answer says what is wrong with the request first.
+fn check_as_the_vmm_would(request: &Request, vm: &str) -> Result<(), Refused> {
+    let as_sent = Request {
+        method: request.method.clone(),
+        path: vm.to_owned(),
+        query: request.query.clone(),
+        body: request.body.clone(),
+        streamed_body_len: request.streamed_body_len,
+        authorization: None,
+    };
+    if mayfly_api::guest::serves(vm) {
+        return mayfly_api::guest::parse(&as_sent)
+            .map(drop)
+            .map_err(|reply| {
+                let allow = (reply.status == 405).then(|| mayfly_api::guest::methods(vm));
+                Refused::from_reply(&reply, allow)
+            });
+    }
+    mayfly_api::route::route(&as_sent)
+        .map(drop)
+        .map_err(|rejection| {
+            Refused::from_reply(&rejection.reply, rejection.allow.map(str::to_owned))
+        })
+}
+
+/// Whether `method` is one the VMM serves on `vm` (true for a path it does not serve: that
+/// is a 404, not a 405).
+fn vmm_serves_method(method: &str, vm: &str) -> bool {
+    let mut methods = mayfly_api::routes().filter(|(_, p)| *p == vm).peekable();
+    methods.peek().is_none() || methods.any(|(m, _)| m == method)
+}
+
+/// A jailed sandbox's network routes: it has no NIC (a jailed VM cannot have one yet), so
+/// nothing sent there can be done, whatever it says.
+fn check_network(sandbox: &Sandbox, vm: &str) -> Result<(), Refused> {
+    let network_route = (vm == "/vm/net" || vm.starts_with("/vm/net/"))
+        && mayfly_api::routes().any(|(_, path)| path == vm);
+    if sandbox.jailed() && network_route {
+        return Err(Refused::new(
+            409,
+            format!(
+                "sandbox {} has no NIC: this manager jails its sandboxes, and a jailed VM \
+                 cannot have one yet (a manager started with --no-jail gives sandboxes networks)",
+                sandbox.name
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// What a sandbox's VMM cannot do, as the manager knows without waking it: its guest's
+/// routes with no agent in its guest (the probe's, or a create's `no_agent`), and a
+/// snapshot where its jail cannot write.
+fn check_what_it_can_do(sandbox: &Sandbox, request: &Request, vm: &str) -> Result<(), Refused> {
+    let name = &sandbox.name;
+    if mayfly_api::guest::serves(vm) && sandbox.spec().agentless() {
+        return Err(Refused::new(
+            409,
+            format!(
+                "sandbox {name} has no guest agent (it was made with \"probe\" or \"no_agent\"): \
+                 {} {vm} needs mayfly-agent running in its guest",
+                request.method
+            ),
+        ));
+    }
+    if vm == "/vm/snapshot" && sandbox.jailed() {
+        let body: mayfly_api::body::SnapshotBody =
+            serde_json::from_slice(&request.body).unwrap_or_default();
+        let own = sandbox.vm_dir();
+        let path = std::path::Path::new(body.path.as_deref().unwrap_or_default());
+        let within = path.starts_with(&own)
+            && !path
+                .components()
+                .any(|c| c == std::path::Component::ParentDir);
+        if !within {
+            return Err(Refused::new(
+                403,
+                format!(
+                    "sandbox {name} is jailed: its VMM can write only under {}: snapshot into a \
+                     directory there",
+                    own.display()
+                ),
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -297,31 +475,37 @@ fn pass_to_vmm(
     client: &UnixStream,
 ) -> Result<(), Refused> {
     if vm == "/vm/fork" && request.method == "PUT" {
-        return Err((
+        return Err(Refused::new(
             409,
             "a sandbox is forked by the manager, which names its clones: POST \
-             /sandboxes/NAME/fork {\"count\": N}"
-                .into(),
+             /sandboxes/NAME/fork {\"count\": N}",
         ));
     }
     if vm == "/vm/shutdown" && request.method == "PUT" {
-        return Err((
+        return Err(Refused::new(
             409,
             "a sandbox's VMM is ended by the manager: DELETE /sandboxes/NAME, or PUT \
-             /sandboxes/NAME/pause to suspend it"
-                .into(),
+             /sandboxes/NAME/pause to suspend it",
         ));
     }
-    let (_activity, sock) = manager.enter(sandbox).map_err(refused)?;
+    check_network(sandbox, vm)?;
+    check_as_the_vmm_would(request, vm)?;
+    check_what_it_can_do(sandbox, request, vm)?;
+    let (_activity, sock) = manager.enter(sandbox)?;
+    // A VMM that cannot be reached may have just ended: then the sandbox is dead, and the
+    // answer says so (as any request for a dead sandbox is told), not 502.
+    let unreachable = |what: String| -> Refused {
+        match manager.check_vmm_alive(sandbox) {
+            Err(dead) => dead.into(),
+            Ok(()) => Refused::new(502, what),
+        }
+    };
     let vmm = UnixStream::connect(&sock).map_err(|e| {
-        (
-            502,
-            format!(
-                "cannot reach the VMM of {} at {}: {e}",
-                sandbox.name,
-                sock.display()
-            ),
-        )
+        unreachable(format!(
+            "cannot reach the VMM of {} at {}: {e}",
+            sandbox.name,
+            sock.display()
+        ))
     })?;
     let body_len = request
         .streamed_body_len
@@ -339,10 +523,10 @@ fn pass_to_vmm(
         .write_all(head.as_bytes())
         .and_then(|()| (&mut &vmm).write_all(&request.body));
     if let Err(e) = sent {
-        return Err((
-            502,
-            format!("cannot send the request to {}'s VMM: {e}", sandbox.name),
-        ));
+        return Err(unreachable(format!(
+            "cannot send the request to {}'s VMM: {e}",
+            sandbox.name
+        )));
     }
     let exec = vm == "/vm/exec";
     if exec {
@@ -369,13 +553,12 @@ fn pass_to_vmm(
             manager.metrics.execs_failed.fetch_add(1, Ordering::Relaxed);
         }
         if n == 0 {
-            error_reply(
+            refusal_reply(
                 client,
-                502,
-                format!(
+                &unreachable(format!(
                     "the VMM of {} closed the connection without an answer",
                     sandbox.name
-                ),
+                )),
             );
             return;
         }

@@ -123,6 +123,11 @@ impl Sandbox {
         lock(&self.view).spec.clone()
     }
 
+    /// Whether its VMM runs jailed (fixed at its create).
+    pub fn jailed(&self) -> bool {
+        lock(&self.view).jailed
+    }
+
     /// Whether `token` is this sandbox's (and it has not been revoked).
     pub fn token_is(&self, token: &str) -> bool {
         lock(&self.view)

@@ -15,7 +15,7 @@ use mayfly_api::http::{self, Refusal};
 use crate::config::ServeConfig;
 use crate::error::ServeError;
 use crate::manager::Manager;
-use crate::routes::{error_reply, reply, route, streamed, REQUEST_IDLE};
+use crate::routes::{error_reply, refusal_reply, reply, route, streamed, REQUEST_IDLE};
 
 /// Connections served at once; more get 503 at once.
 const MAX_CONNECTIONS: usize = 256;
@@ -137,11 +137,11 @@ fn connection(manager: &Manager, stream: UnixStream) {
             return;
         }
     };
-    if let Err((status, message)) = route(manager, &request, &stream) {
+    if let Err(refused) = route(manager, &request, &stream) {
         manager
             .metrics
             .requests_refused
             .fetch_add(1, Ordering::Relaxed);
-        error_reply(&stream, status, message);
+        refusal_reply(&stream, &refused);
     }
 }

@@ -39,6 +39,25 @@ pub struct Template {
     pub setup: Vec<String>,
 }
 
+/// The least guest memory a VMM boots with (`mayfly run --mem-mib`; mayfly_vmm::config's
+/// MIN_MEM_MIB), and the most vCPUs (its MAX_VCPUS): a spec past them is refused here, not
+/// by a VMM that then fails to start.
+pub const MIN_MEM_MIB: u64 = 16;
+pub const MAX_VCPUS: u32 = 254;
+
+/// The machine's sizes a spec or template gives, checked as `mayfly run` checks them.
+pub fn check_machine(mem_mib: Option<u64>, vcpus: Option<u32>) -> Result<(), String> {
+    if mem_mib.is_some_and(|m| m < MIN_MEM_MIB) {
+        return Err(format!(
+            "\"mem_mib\" must be at least {MIN_MEM_MIB} (a guest needs that much)"
+        ));
+    }
+    if vcpus.is_some_and(|v| v == 0 || v > MAX_VCPUS) {
+        return Err(format!("\"vcpus\" must be 1 to {MAX_VCPUS}"));
+    }
+    Ok(())
+}
+
 /// Each file a spec names (what, path) must be given by an absolute path, and be there.
 pub fn check_paths(paths: &[(&str, &Option<PathBuf>)]) -> Result<(), String> {
     for (what, path) in paths {
@@ -58,10 +77,28 @@ pub fn check_paths(paths: &[(&str, &Option<PathBuf>)]) -> Result<(), String> {
     Ok(())
 }
 
+/// A root filesystem: `debian` (the image `rootfs/build.sh debian` builds), or the absolute
+/// path of an image that is there.
+pub fn check_rootfs(rootfs: Option<&str>) -> Result<(), String> {
+    match rootfs {
+        None | Some("debian") => Ok(()),
+        Some(image) => check_paths(&[("rootfs", &Some(PathBuf::from(image)))]),
+    }
+}
+
+/// Whether a setup command is blank: nothing but spaces, tabs and line breaks.
+fn blank(command: &str) -> bool {
+    command
+        .chars()
+        .all(|c| matches!(c, ' ' | '\t' | '\n' | '\r'))
+}
+
 impl Template {
     pub fn check(&self) -> Result<(), String> {
-        // What a check of its boot's spec checks: the files it names.
+        // What a check of its boot's spec checks: the files it names, its sizes.
         check_paths(&[("kernel", &self.kernel), ("initrd", &self.initrd)])?;
+        check_rootfs(self.rootfs.as_deref())?;
+        check_machine(self.mem_mib, self.vcpus)?;
         if self.setup.len() > MAX_SETUP {
             return Err(format!(
                 "\"setup\" has {} commands; a template takes at most {MAX_SETUP} (join them \
@@ -69,7 +106,7 @@ impl Template {
                 self.setup.len()
             ));
         }
-        if let Some(i) = self.setup.iter().position(|c| c.trim().is_empty()) {
+        if let Some(i) = self.setup.iter().position(|c| blank(c)) {
             return Err(format!("\"setup\" command {} is empty", i + 1));
         }
         if self.probe && !self.setup.is_empty() {

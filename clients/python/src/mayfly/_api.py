@@ -257,9 +257,12 @@ def _whole_seconds(value: float, what: str) -> int:
 
 
 def agentless(described: Mapping[str, Any]) -> bool:
-    """Whether a sandbox's guest has no agent to wait for (the probe benchmark's)."""
+    """Whether a sandbox's guest has no agent to wait for (the probe benchmark's, or one made
+    with ``no_agent``: the manager answers its guest routes 409 at once)."""
     spec = described.get("spec") or {}
-    return bool(spec.get("probe") or (spec.get("template") or {}).get("probe"))
+    return bool(
+        spec.get("probe") or spec.get("no_agent") or (spec.get("template") or {}).get("probe")
+    )
 
 
 def list_sandboxes() -> Call:

@@ -33,7 +33,8 @@ class BadRequest(MayflyError):
 
 
 class Unauthorized(MayflyError):
-    """401 or 403: no token, a revoked one, or one for another sandbox."""
+    """401 or 403: no token, a revoked one, or one for another sandbox; 403 also for what the
+    sandbox may not do (a jailed sandbox's snapshot outside its own directory)."""
 
 
 class NotFound(MayflyError):
@@ -41,7 +42,8 @@ class NotFound(MayflyError):
 
 
 class Conflict(MayflyError):
-    """409: the name is taken, the sandbox is dead, or its VM is paused."""
+    """409: the name is taken, the sandbox is dead, its VM is paused, or it has no guest agent
+    (or no NIC) for what was asked."""
 
 
 class OverBudget(MayflyError):
