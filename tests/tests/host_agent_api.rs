@@ -683,3 +683,562 @@ fn a_vm_without_an_agent_says_so() {
     assert!(stderr.contains("mayfly-agent"), "{stderr}");
     assert_eq!(stderr.lines().count(), 1, "one clear line: {stderr}");
 }
+
+// ---------------------------------------------------------------------------------------
+// A hostile guest: the VMM's side of the agent's connection, against an agent that stalls,
+// floods or ignores its timeouts. The VMM is `mayfly-fake-vm` (the real control socket and
+// guest routes, in a process of their own, so that its memory can be watched); the agent is
+// played here, listening where the VM's vsock device would.
+
+/// What the hostile agent does once it has a request.
+#[derive(Clone, Copy, Debug)]
+enum Hostile {
+    /// Greets (HELLO), then never answers: it reads and discards what the host sends.
+    Silent,
+    /// Answers a list with ENTRIES frames without end (up to [`FLOOD_BYTES`]), a stat with a
+    /// frame-sized OK, a read with a frame longer than the protocol allows.
+    Flood,
+    /// Starts an exec (STARTED), then ignores it, its timeout included.
+    IgnoresTimeouts,
+}
+
+/// How much a flooding agent sends at most: far more than the VMM may keep.
+const FLOOD_BYTES: u64 = 384 << 20;
+
+/// What the stand-in agent saw.
+#[derive(Default)]
+struct Seen {
+    /// Each connection's id and op, once its REQUEST came.
+    requests: Vec<(u64, String)>,
+    /// Connections the host closed (after their request, or before).
+    closed: Vec<u64>,
+    /// What a flood sent before the host stopped reading it.
+    flooded: u64,
+}
+
+#[derive(Default)]
+struct StandIn {
+    seen: std::sync::Mutex<Seen>,
+    changed: std::sync::Condvar,
+}
+
+impl StandIn {
+    fn update(&self, f: impl FnOnce(&mut Seen)) {
+        f(&mut self.seen.lock().unwrap());
+        self.changed.notify_all();
+    }
+
+    /// Wait (up to `bound`) until `f` finds something in what was seen.
+    fn wait_for<T>(&self, bound: Duration, mut f: impl FnMut(&Seen) -> Option<T>) -> Option<T> {
+        let deadline = Instant::now() + bound;
+        let mut seen = self.seen.lock().unwrap();
+        loop {
+            if let Some(found) = f(&seen) {
+                return Some(found);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            seen = self.changed.wait_timeout(seen, left).unwrap().0;
+        }
+    }
+
+    fn requests(&self) -> usize {
+        self.seen.lock().unwrap().requests.len()
+    }
+}
+
+/// One connection from the VMM, as a hostile agent serves it.
+fn hostile_agent(mut conn: UnixStream, id: u64, how: Hostile, standin: &StandIn) {
+    use mayfly_agent_protocol::{
+        encode_frame, read_message, write_message, DirEntry, FileType, FrameType, Hello, ListReply,
+        Message, ReadFileReply, Started, OPS, PROTOCOL_VERSION,
+    };
+    // The vsock device's handshake, then the agent's HELLO.
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.last() != Some(&b'\n') {
+        match conn.read(&mut byte) {
+            Ok(1) => line.push(byte[0]),
+            _ => return,
+        }
+    }
+    let hello = Message::Hello(Hello {
+        protocol: PROTOCOL_VERSION,
+        agent: "mayfly-agent hostile".into(),
+        ops: OPS.iter().map(|op| op.to_string()).collect(),
+    });
+    let request = conn
+        .write_all(b"OK 1024\n")
+        .ok()
+        .and_then(|()| write_message(&mut conn, &hello).ok())
+        .and_then(|()| read_message(&mut conn).ok().flatten());
+    let Some(Message::Request(request)) = request else {
+        standin.update(|s| s.closed.push(id));
+        return;
+    };
+    let op = request.op();
+    standin.update(|s| s.requests.push((id, op.to_string())));
+    match (how, op) {
+        (Hostile::Flood, "list") => {
+            let batch: Vec<DirEntry> = (0..3500)
+                .map(|i| DirEntry {
+                    name: format!("{i:0>200}"),
+                    file_type: FileType::File,
+                    size: 0,
+                    mode: 0o644,
+                    mtime_ms: 0,
+                })
+                .collect();
+            let frame = Message::Entries(batch).encode().unwrap();
+            let (mut sent, mut entries) = (0u64, 0u64);
+            while sent < FLOOD_BYTES && conn.write_all(&frame).is_ok() {
+                sent += frame.len() as u64;
+                entries += 3500;
+            }
+            standin.update(|s| s.flooded = sent);
+            let _ = write_message(
+                &mut conn,
+                &Message::ok(&ListReply { count: entries }).unwrap(),
+            );
+        }
+        (Hostile::Flood, "stat") => {
+            // A whole frame of JSON that is no stat: `[0,0,0,...]`.
+            let mut json = vec![b'['];
+            while json.len() < mayfly_agent_protocol::MAX_PAYLOAD - 2 {
+                json.extend_from_slice(b"0,");
+            }
+            json.pop();
+            json.push(b']');
+            let _ = conn.write_all(&encode_frame(FrameType::Ok, &json).unwrap());
+        }
+        (Hostile::Flood, "read_file") => {
+            let ok = Message::ok(&ReadFileReply {
+                size: 1 << 40,
+                mode: 0o644,
+            })
+            .unwrap();
+            let _ = write_message(&mut conn, &ok);
+            // A DATA frame announced at 4 GiB.
+            let _ = conn.write_all(&[0xff, 0xff, 0xff, 0xff, 0x0a]);
+        }
+        (Hostile::IgnoresTimeouts, "exec") => {
+            let _ = write_message(&mut conn, &Message::Started(Started { pid: 7 }));
+        }
+        _ => {}
+    }
+    // Then silence: whatever the host sends is read and dropped, until it closes.
+    let mut buf = vec![0u8; 64 << 10];
+    while matches!(conn.read(&mut buf), Ok(n) if n > 0) {}
+    standin.update(|s| s.closed.push(id));
+}
+
+/// A VMM (`mayfly-fake-vm`) whose guest's agent is hostile.
+struct HostileVm {
+    dir: TestDir,
+    sock: PathBuf,
+    vmm: Child,
+    standin: Arc<StandIn>,
+}
+
+impl Drop for HostileVm {
+    fn drop(&mut self) {
+        let _ = self.vmm.kill();
+        let _ = self.vmm.wait();
+    }
+}
+
+impl HostileVm {
+    fn start(name: &str, how: Hostile) -> HostileVm {
+        let dir = TestDir::new(name);
+        let vsock = dir.join("vm.vsock");
+        let listener = UnixListener::bind(&vsock).unwrap();
+        let standin = Arc::new(StandIn::default());
+        let agent = standin.clone();
+        std::thread::spawn(move || {
+            for (id, conn) in (0u64..).zip(listener.incoming()) {
+                let Ok(conn) = conn else { continue };
+                let agent = agent.clone();
+                std::thread::spawn(move || hostile_agent(conn, id, how, &agent));
+            }
+        });
+        let sock = dir.join("vm.sock");
+        let mut vmm = Command::new(env!("CARGO_BIN_EXE_mayfly-fake-vm"))
+            .args([
+                "--sock",
+                &dir.arg("vm.sock"),
+                "--vsock",
+                &dir.arg("vm.vsock"),
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("mayfly-fake-vm starts");
+        let mut ready = String::new();
+        BufReader::new(vmm.stdout.take().unwrap())
+            .read_line(&mut ready)
+            .unwrap();
+        assert_eq!(ready, "ready\n", "mayfly-fake-vm did not start");
+        HostileVm {
+            dir,
+            sock,
+            vmm,
+            standin,
+        }
+    }
+
+    fn http(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> (u16, serde_json::Value) {
+        api::request_with_timeout(&self.sock, method, path, body.as_ref(), TIMEOUT)
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    }
+
+    /// A request sent whole, its connection left open for the answer.
+    fn send(&self, request: &[u8]) -> UnixStream {
+        let mut conn = UnixStream::connect(&self.sock).unwrap();
+        conn.write_all(request).unwrap();
+        conn
+    }
+
+    /// The VMM's `field` of /proc/PID/status, in KiB (VmRSS, VmHWM).
+    fn status_kib(&self, field: &str) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.vmm.id())).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {field} in {status}"))
+    }
+
+    /// Wait until the agent saw a new request of `op` (after the first `after` requests).
+    fn request_of(&self, op: &str, after: usize) -> u64 {
+        self.standin
+            .wait_for(TIMEOUT, |s| {
+                s.requests[after.min(s.requests.len())..]
+                    .iter()
+                    .find(|(_, o)| o == op)
+                    .map(|(id, _)| *id)
+            })
+            .unwrap_or_else(|| panic!("the agent never got the {op}"))
+    }
+
+    /// Whether the VMM closed connection `id` to the agent within `bound`.
+    fn closed_within(&self, id: u64, bound: Duration) -> bool {
+        self.standin
+            .wait_for(bound, |s| s.closed.contains(&id).then_some(()))
+            .is_some()
+    }
+}
+
+/// The whole answer on `conn`: status, head, body (de-chunked if chunked).
+fn answer(mut conn: UnixStream) -> (u16, String, Vec<u8>) {
+    conn.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut raw = Vec::new();
+    conn.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw);
+    let status = text
+        .get(9..12)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no HTTP status in {text:?}"));
+    if text.contains("Transfer-Encoding: chunked") {
+        let (head, body, _) = dechunk(&raw);
+        return (status, head, body);
+    }
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    (
+        status,
+        String::from_utf8_lossy(&raw[..split]).into_owned(),
+        raw[split + 4..].to_vec(),
+    )
+}
+
+#[test]
+fn an_agent_that_never_answers_gets_the_deadline_error() {
+    let vm = HostileVm::start("agent-deadline", Hostile::Silent);
+    for (path, what) in [
+        ("/vm/files/stat?path=%2Fx&timeout_ms=1500", "the stat of /x"),
+        (
+            "/vm/files/list?path=%2Fx&timeout_ms=1500",
+            "the listing of /x",
+        ),
+        ("/vm/files?path=%2Fx&timeout_ms=1500", "the download of /x"),
+    ] {
+        let (status, body) = vm.http("GET", path, None);
+        assert_eq!(status, 504, "GET {path}: {body}");
+        let message = body["error"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("did not finish {what} within 1.5 s")),
+            "{message}"
+        );
+        // It says what to do.
+        assert!(message.contains("timeout_ms"), "{message}");
+        assert!(message.contains("GET /vm/agent"), "{message}");
+    }
+    // And each time the VMM closed its connection to the agent.
+    assert!(
+        vm.standin
+            .wait_for(TIMEOUT, |s| (s.closed.len() >= 3).then_some(()))
+            .is_some(),
+        "the VMM kept connections it had given up on"
+    );
+    // A deadline the VMM does not allow is refused before the guest is asked.
+    for bad in ["0", "600001", "soon"] {
+        let (status, body) = vm.http(
+            "GET",
+            &format!("/vm/files/stat?path=%2Fx&timeout_ms={bad}"),
+            None,
+        );
+        assert_eq!(status, 400, "{body}");
+        assert!(body["error"].as_str().unwrap().contains("600000"), "{body}");
+    }
+    assert_eq!(vm.standin.requests(), 3);
+}
+
+#[test]
+fn control_actions_get_through_while_guest_calls_stall() {
+    let vm = HostileVm::start("agent-lane", Hostile::Silent);
+    // As many stalled guest calls as the control socket takes connections (64): before the
+    // guest lane, they took every connection, and pause or snapshot got 503.
+    let mut calls: Vec<Option<UnixStream>> = (0..api::MAX_CONNECTIONS)
+        .map(|_| Some(vm.send(b"GET /vm/files/stat?path=%2Fstalled HTTP/1.1\r\n\r\n")))
+        .collect();
+    for call in calls.iter().flatten() {
+        call.set_nonblocking(true).unwrap();
+    }
+    // Each is either with the agent (where it stalls) or answered: wait until all are one or
+    // the other.
+    let mut answers: Vec<Vec<u8>> = Vec::new();
+    let deadline = Instant::now() + TIMEOUT;
+    while answers.len() + vm.standin.requests() < api::MAX_CONNECTIONS {
+        assert!(
+            Instant::now() < deadline,
+            "of {} guest calls, {} reached the agent and {} were answered",
+            api::MAX_CONNECTIONS,
+            vm.standin.requests(),
+            answers.len()
+        );
+        for slot in calls.iter_mut() {
+            let Some(conn) = slot else { continue };
+            let mut buf = [0u8; 4096];
+            match conn.read(&mut buf) {
+                Ok(0) => *slot = None,
+                Ok(n) => {
+                    // Small enough to come whole; the close follows.
+                    answers.push(buf[..n].to_vec());
+                    *slot = None;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Meanwhile the control actions are served.
+    let (status, body) = vm.http("GET", "/vm", None);
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = vm.http("PUT", "/vm/pause", None);
+    assert_eq!(status, 204, "{body}");
+    let snap = vm.dir.join("snap");
+    let (status, body) = vm.http(
+        "PUT",
+        "/vm/snapshot",
+        Some(serde_json::json!({ "path": snap })),
+    );
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = vm.http("PUT", "/vm/resume", None);
+    assert_eq!(status, 204, "{body}");
+    // The guest lane took MAX_GUEST_CALLS of them to the agent; every other was answered at
+    // once: 503, retry in a second.
+    assert_eq!(vm.standin.requests(), api::MAX_GUEST_CALLS);
+    assert_eq!(answers.len(), api::MAX_CONNECTIONS - api::MAX_GUEST_CALLS);
+    for answer in &answers {
+        let text = String::from_utf8_lossy(answer);
+        assert!(text.starts_with("HTTP/1.1 503"), "{text}");
+        assert!(text.contains("Retry-After: 1\r\n"), "{text}");
+        assert!(text.contains("control actions"), "{text}");
+    }
+    // The stalled calls still hold their places; their clients leaving ends them all.
+    let stalled = calls.iter().flatten().count();
+    assert_eq!(stalled, api::MAX_GUEST_CALLS);
+    drop(calls);
+    assert!(
+        vm.standin
+            .wait_for(TIMEOUT, |s| (s.closed.len() == api::MAX_GUEST_CALLS)
+                .then_some(()))
+            .is_some(),
+        "the stalled calls outlived their clients"
+    );
+    // And the lane is free again.
+    let conn = vm.send(b"GET /vm/files/stat?path=%2Fagain HTTP/1.1\r\n\r\n");
+    vm.request_of("stat", api::MAX_GUEST_CALLS);
+    drop(conn);
+}
+
+#[test]
+fn a_client_that_hangs_up_ends_its_call_into_the_guest() {
+    let vm = HostileVm::start("agent-hostile-hangup", Hostile::Silent);
+    let exec = br#"{"argv": ["sleep", "600"]}"#;
+    let streamed = br#"{"argv": ["sleep", "600"], "stream": true}"#;
+    let post = |body: &[u8]| {
+        [
+            format!(
+                "POST /vm/exec HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            )
+            .as_bytes(),
+            body,
+        ]
+        .concat()
+    };
+    let calls: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "stat",
+            b"GET /vm/files/stat?path=%2Fx HTTP/1.1\r\n\r\n".to_vec(),
+        ),
+        (
+            "list",
+            b"GET /vm/files/list?path=%2Fx HTTP/1.1\r\n\r\n".to_vec(),
+        ),
+        (
+            "read_file",
+            b"GET /vm/files?path=%2Fx HTTP/1.1\r\n\r\n".to_vec(),
+        ),
+        (
+            "write_file",
+            b"PUT /vm/files?path=%2Fx HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello".to_vec(),
+        ),
+        (
+            "remove",
+            b"DELETE /vm/files?path=%2Fx HTTP/1.1\r\n\r\n".to_vec(),
+        ),
+        (
+            "mkdir",
+            b"PUT /vm/files/dir?path=%2Fx HTTP/1.1\r\n\r\n".to_vec(),
+        ),
+        ("exec", post(exec)),
+        ("exec", post(streamed)),
+    ];
+    for (op, request) in calls {
+        let before = vm.standin.requests();
+        let conn = vm.send(&request);
+        let id = vm.request_of(op, before);
+        drop(conn);
+        // Far within the call's own limits (a minute; 30 s for an exec to start): only the
+        // hang-up can have ended it.
+        assert!(
+            vm.closed_within(id, Duration::from_secs(5)),
+            "{op}: the VMM kept its call into the guest after the client hung up"
+        );
+    }
+}
+
+#[test]
+fn a_flood_from_the_guest_is_cut_and_the_vmm_stays_small() {
+    let vm = HostileVm::start("agent-flood", Hostile::Flood);
+    let (status, _) = vm.http("GET", "/vm", None);
+    assert_eq!(status, 200);
+    let before = vm.status_kib("VmRSS");
+
+    // A listing without end: cut at the VMM's bound, said so.
+    let (status, body) = vm.http("GET", "/vm/files/list?path=%2Fflood", None);
+    assert_eq!(status, 200, "{}", body["error"]);
+    assert_eq!(body["truncated"], true);
+    let entries = body["entries"].as_array().unwrap();
+    assert!(
+        !entries.is_empty() && entries.len() <= 100_000,
+        "{}",
+        entries.len()
+    );
+    assert!(body["count"].as_u64().unwrap() >= entries.len() as u64);
+    let names: Vec<&str> = entries
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert!(names.windows(2).all(|w| w[0] <= w[1]), "sorted by name");
+    let flooded = vm
+        .standin
+        .wait_for(TIMEOUT, |s| (s.flooded > 0).then_some(s.flooded))
+        .unwrap();
+    assert!(
+        flooded < FLOOD_BYTES,
+        "the VMM read all {flooded} bytes of the flood"
+    );
+
+    // A frame-sized OK that is no stat: refused, never held as a JSON tree.
+    let (status, body) = vm.http("GET", "/vm/files/stat?path=%2Fhuge", None);
+    assert_eq!(status, 502, "{body}");
+    // A frame announced past the protocol's limit: refused before anything is read.
+    let (status, body) = vm.http("GET", "/vm/files?path=%2Fhuge", None);
+    assert_eq!(status, 502, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("exceeds the maximum"),
+        "{body}"
+    );
+
+    let peak = vm.status_kib("VmHWM");
+    let grown = peak.saturating_sub(before);
+    eprintln!("the VMM: {before} KiB before the flood, {peak} KiB at its peak");
+    assert!(
+        grown < 48 << 10,
+        "the VMM grew by {} MiB while its guest flooded it ({before} KiB before, {peak} KiB peak)",
+        grown >> 10
+    );
+}
+
+#[test]
+fn an_exec_whose_guest_ignores_its_timeout_is_ended_by_the_host() {
+    let vm = HostileVm::start("agent-overrun", Hostile::IgnoresTimeouts);
+    let body = br#"{"argv": ["sleep", "600"], "timeout_ms": 300, "stream": true}"#;
+    let streamed = vm.send(
+        &[
+            format!(
+                "POST /vm/exec HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            )
+            .as_bytes(),
+            body,
+        ]
+        .concat(),
+    );
+    let streamed = std::thread::spawn(move || answer(streamed));
+    let (status, body) = vm.http(
+        "POST",
+        "/vm/exec",
+        Some(serde_json::json!({"argv": ["sleep", "600"], "timeout_ms": 300})),
+    );
+    assert_eq!(status, 504, "{body}");
+    let message = body["error"].as_str().unwrap();
+    assert!(
+        message.contains("timeout_ms (300 ms) passed 10 s ago"),
+        "{message}"
+    );
+    let (status, head, body) = streamed.join().unwrap();
+    assert_eq!(status, 200, "{head}");
+    let last: serde_json::Value = serde_json::from_slice(
+        body.split(|b| *b == b'\n')
+            .rfind(|l| !l.is_empty())
+            .expect("NDJSON lines"),
+    )
+    .unwrap();
+    assert!(
+        last["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("timeout_ms (300 ms)")),
+        "{last}"
+    );
+    // Both connections to the agent closed: the agent is told to kill what it ignored.
+    assert!(
+        vm.standin
+            .wait_for(TIMEOUT, |s| (s.closed.len() == 2).then_some(()))
+            .is_some(),
+        "the VMM kept the overrun execs' connections"
+    );
+}

@@ -17,10 +17,18 @@ use std::thread;
 use serde::de::DeserializeOwned;
 
 use crate::error::{Error, ProtocolError};
-use crate::frame::write_frame;
+use crate::frame::{read_frame, write_frame};
 use crate::frame_type::FrameType;
 use crate::messages::*;
 use crate::params::{CHUNK_SIZE, PROTOCOL_VERSION};
+
+/// The largest HELLO this client accepts. A real one is a few hundred bytes; its list of ops
+/// is held for the whole connection, so a frame-sized one would be a vector the agent sizes.
+pub const MAX_HELLO: usize = 64 * 1024;
+
+/// How much of each output stream [`AgentClient::exec_output`] keeps; the rest is counted in
+/// [`ExecOutput::stdout_dropped`] and [`ExecOutput::stderr_dropped`].
+pub const DEFAULT_OUTPUT_LIMIT: usize = 64 << 20;
 
 /// A stream that can be split into a second handle for writing while one thread reads,
 /// and shut down. Exec needs it: stdin and signals go out while output comes in.
@@ -107,6 +115,37 @@ impl Signaller {
     pub fn is_running(&self) -> bool {
         self.state.phase.load(Ordering::Acquire) == RUNNING
     }
+
+    /// Where the program is, as a handle that holds nothing of the connection (a Signaller
+    /// holds its writing side: kept by something the connection's reader owns, it would keep
+    /// the connection open).
+    pub fn status(&self) -> ExecStatus {
+        ExecStatus {
+            state: Arc::clone(&self.state),
+        }
+    }
+}
+
+/// Where the program an [`AgentClient::exec`] runs is: see [`Signaller::status`].
+#[derive(Clone, Debug)]
+pub struct ExecStatus {
+    state: Arc<ExecState>,
+}
+
+impl ExecStatus {
+    /// The program's pid in the guest, once it started (STARTED came); stays set after it
+    /// exited. `None` if it never started.
+    pub fn pid(&self) -> Option<u32> {
+        match self.state.pid.load(Ordering::Acquire) {
+            0 => None,
+            pid => Some(pid),
+        }
+    }
+
+    /// Started and not yet exited.
+    pub fn is_running(&self) -> bool {
+        self.state.phase.load(Ordering::Acquire) == RUNNING
+    }
 }
 
 /// Options of [`AgentClient::write_file`]; the defaults are the protocol's.
@@ -142,12 +181,64 @@ impl WriteFileOptions {
     }
 }
 
-/// An exec's collected output, from [`AgentClient::exec_output`].
+/// An exec's collected output, from [`AgentClient::exec_output`]: each stream up to its
+/// limit, what did not fit counted.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ExecOutput {
     pub exit: ExitRecord,
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
+    /// Bytes of stdout past the limit: counted, not kept.
+    pub stdout_dropped: u64,
+    /// Bytes of stderr past the limit: counted, not kept.
+    pub stderr_dropped: u64,
+}
+
+/// Keeps `data` in `kept` up to `limit` bytes in all; returns how many it did not keep.
+fn keep_bounded(kept: &mut Vec<u8>, limit: usize, data: &[u8]) -> u64 {
+    let room = limit.saturating_sub(kept.len());
+    let take = data.len().min(room);
+    kept.extend_from_slice(&data[..take]);
+    (data.len() - take) as u64
+}
+
+/// How much of a directory listing a client keeps. The agent sends a directory of any size;
+/// past either limit the client stops reading and returns what it kept, marked truncated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListLimits {
+    /// Entries kept at most.
+    pub max_entries: usize,
+    /// Bytes the kept entries may take in memory at most (see [`entry_bytes`]).
+    pub max_bytes: usize,
+}
+
+impl Default for ListLimits {
+    /// 100,000 entries or 16 MiB: a listing an HTTP answer can carry in one piece.
+    fn default() -> Self {
+        ListLimits {
+            max_entries: 100_000,
+            max_bytes: 16 << 20,
+        }
+    }
+}
+
+/// What one kept entry costs in memory, as [`ListLimits::max_bytes`] counts it: the entry
+/// itself and its name.
+pub fn entry_bytes(entry: &DirEntry) -> usize {
+    std::mem::size_of::<DirEntry>() + entry.name.len()
+}
+
+/// A directory listing as far as it was kept, from [`AgentClient::list_limited`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Listing {
+    /// The entries kept, sorted by name.
+    pub entries: Vec<DirEntry>,
+    /// Entries the agent sent before the client stopped reading: all of them (and then
+    /// checked against the agent's count) unless `truncated`.
+    pub received: u64,
+    /// The listing went past a limit: the client stopped reading, and `entries` is only the
+    /// first part of the directory (in the agent's order, then sorted).
+    pub truncated: bool,
 }
 
 fn agent_error(e: ErrorReply) -> Error {
@@ -157,10 +248,37 @@ fn agent_error(e: ErrorReply) -> Error {
     }
 }
 
-fn unexpected(expected: &'static str, got: &Message) -> Error {
+fn unexpected(expected: &'static str, got: &Incoming) -> Error {
     Error::Protocol(ProtocolError::Unexpected {
         expected,
         got: got.frame_type(),
+    })
+}
+
+/// A frame from the agent as the client takes it: an OK is kept as its JSON text and parsed
+/// straight into the op's reply type (never into a `serde_json::Value`, whose tree can take
+/// many times the frame's size); everything else is a [`Message`].
+enum Incoming {
+    Ok(Vec<u8>),
+    Message(Message),
+}
+
+impl Incoming {
+    fn frame_type(&self) -> FrameType {
+        match self {
+            Incoming::Ok(_) => FrameType::Ok,
+            Incoming::Message(m) => m.frame_type(),
+        }
+    }
+}
+
+/// Parses an OK payload into the op's reply type.
+fn parse_ok<T: DeserializeOwned>(payload: &[u8]) -> Result<T, Error> {
+    serde_json::from_slice(payload).map_err(|e| {
+        Error::Protocol(ProtocolError::BadPayload {
+            frame: FrameType::Ok,
+            reason: e.to_string(),
+        })
     })
 }
 
@@ -191,8 +309,8 @@ impl<S: Read + Write> AgentClient<S> {
     pub fn hello(&mut self) -> Result<&Hello, Error> {
         if self.hello.is_none() {
             let hello = match self.recv("the agent's HELLO")? {
-                Message::Hello(h) => h,
-                Message::Error(e) => return Err(agent_error(e)),
+                Incoming::Message(Message::Hello(h)) => h,
+                Incoming::Message(Message::Error(e)) => return Err(agent_error(e)),
                 other => return Err(unexpected("HELLO", &other)),
             };
             if hello.protocol != PROTOCOL_VERSION {
@@ -209,10 +327,20 @@ impl<S: Read + Write> AgentClient<S> {
             .ok_or(Error::Protocol(ProtocolError::Closed("the agent's HELLO")))
     }
 
-    fn recv(&mut self, waiting_for: &'static str) -> Result<Message, Error> {
-        match read_message(&mut self.stream)? {
-            Some(msg) => Ok(msg),
-            None => Err(ProtocolError::Closed(waiting_for).into()),
+    fn recv(&mut self, waiting_for: &'static str) -> Result<Incoming, Error> {
+        let frame = match read_frame(&mut self.stream)? {
+            Some(frame) => frame,
+            None => return Err(ProtocolError::Closed(waiting_for).into()),
+        };
+        match frame.kind {
+            FrameType::Ok => Ok(Incoming::Ok(frame.payload)),
+            FrameType::Hello if frame.payload.len() > MAX_HELLO => {
+                Err(Error::Protocol(ProtocolError::Other(format!(
+                    "a HELLO of {} bytes: this host accepts at most {MAX_HELLO}",
+                    frame.payload.len()
+                ))))
+            }
+            _ => Ok(Incoming::Message(Message::from_frame(frame)?)),
         }
     }
 
@@ -226,8 +354,8 @@ impl<S: Read + Write> AgentClient<S> {
     /// Reads the OK ending an op (or its ERROR).
     fn expect_ok<T: DeserializeOwned>(&mut self, waiting_for: &'static str) -> Result<T, Error> {
         match self.recv(waiting_for)? {
-            Message::Ok(value) => Ok(parse_reply(value)?),
-            Message::Error(e) => Err(agent_error(e)),
+            Incoming::Ok(payload) => parse_ok(&payload),
+            Incoming::Message(Message::Error(e)) => Err(agent_error(e)),
             other => Err(unexpected("OK or ERROR", &other)),
         }
     }
@@ -280,8 +408,8 @@ impl<S: Read + Write> AgentClient<S> {
     }
 
     fn pending_error(&mut self) -> Option<Error> {
-        match read_message(&mut self.stream) {
-            Ok(Some(Message::Error(e))) => Some(agent_error(e)),
+        match self.recv("write_file's ERROR") {
+            Ok(Incoming::Message(Message::Error(e))) => Some(agent_error(e)),
             _ => None,
         }
     }
@@ -295,12 +423,12 @@ impl<S: Read + Write> AgentClient<S> {
         let mut total = 0u64;
         loop {
             match self.recv("read_file's DATA")? {
-                Message::Data(bytes) if bytes.is_empty() => break,
-                Message::Data(bytes) => {
+                Incoming::Message(Message::Data(bytes)) if bytes.is_empty() => break,
+                Incoming::Message(Message::Data(bytes)) => {
                     out.write_all(&bytes).map_err(Error::Output)?;
                     total += bytes.len() as u64;
                 }
-                Message::Error(e) => return Err(agent_error(e)),
+                Incoming::Message(Message::Error(e)) => return Err(agent_error(e)),
                 other => return Err(unexpected("DATA or ERROR", &other)),
             }
         }
@@ -317,33 +445,71 @@ impl<S: Read + Write> AgentClient<S> {
         self.simple(request, "stat's OK")
     }
 
-    /// The entries of directory `path`, sorted by name.
-    pub fn list(mut self, path: &str) -> Result<Vec<DirEntry>, Error> {
+    /// The entries of directory `path`, sorted by name. A directory past
+    /// [`ListLimits::default`] is [`Error::TooLarge`]: [`AgentClient::list_limited`] keeps
+    /// the first part of it.
+    pub fn list(self, path: &str) -> Result<Vec<DirEntry>, Error> {
+        let limits = ListLimits::default();
+        let listing = self.list_limited(path, limits)?;
+        if listing.truncated {
+            return Err(Error::TooLarge {
+                what: "directory listing",
+                limit: format!(
+                    "{} entries or {} bytes",
+                    limits.max_entries, limits.max_bytes
+                ),
+                advice: "list_limited keeps the first part of it",
+            });
+        }
+        Ok(listing.entries)
+    }
+
+    /// The entries of directory `path`, sorted by name, as far as `limits` keep them: past
+    /// either limit the client stops reading (the connection is then of no more use) and the
+    /// listing is marked truncated. Memory stays within the limits plus one frame, whatever
+    /// the agent sends.
+    pub fn list_limited(mut self, path: &str, limits: ListLimits) -> Result<Listing, Error> {
         self.send(Request::List(ListRequest {
             path: path.to_owned(),
         }))?;
-        let mut entries = Vec::new();
+        let mut listing = Listing::default();
+        let mut bytes = 0usize;
         loop {
             match self.recv("list's ENTRIES or OK")? {
-                Message::Entries(batch) => entries.extend(batch),
-                Message::Ok(value) => {
-                    let reply: ListReply = parse_reply(value)?;
-                    if reply.count != entries.len() as u64 {
+                Incoming::Message(Message::Entries(batch)) => {
+                    listing.received += batch.len() as u64;
+                    for entry in batch {
+                        let size = entry_bytes(&entry);
+                        if listing.entries.len() >= limits.max_entries
+                            || bytes.saturating_add(size) > limits.max_bytes
+                        {
+                            listing.truncated = true;
+                            break;
+                        }
+                        bytes += size;
+                        listing.entries.push(entry);
+                    }
+                    if listing.truncated {
+                        break;
+                    }
+                }
+                Incoming::Ok(payload) => {
+                    let reply: ListReply = parse_ok(&payload)?;
+                    if reply.count != listing.received {
                         return Err(ProtocolError::Other(format!(
                             "the agent counted {} entries but sent {}",
-                            reply.count,
-                            entries.len()
+                            reply.count, listing.received
                         ))
                         .into());
                     }
                     break;
                 }
-                Message::Error(e) => return Err(agent_error(e)),
+                Incoming::Message(Message::Error(e)) => return Err(agent_error(e)),
                 other => return Err(unexpected("ENTRIES, OK or ERROR", &other)),
             }
         }
-        entries.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(entries)
+        listing.entries.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(listing)
     }
 
     /// Removes `path`; a directory with contents only if `recursive`.
@@ -461,7 +627,18 @@ impl<S: Duplex> AgentClient<S> {
     ) -> Result<ExitRecord, Error> {
         let mut started = false;
         loop {
-            match self.recv("the program's EXIT")? {
+            let message = match self.recv("the program's EXIT")? {
+                Incoming::Message(message) => message,
+                other => {
+                    let expected = if started {
+                        "STDOUT, STDERR, EXIT or ERROR"
+                    } else {
+                        "STARTED, EXIT or ERROR"
+                    };
+                    return Err(unexpected(expected, &other));
+                }
+            };
+            match message {
                 Message::Started(s) if !started => {
                     started = true;
                     state.pid.store(s.pid, Ordering::Release);
@@ -472,32 +649,53 @@ impl<S: Duplex> AgentClient<S> {
                 Message::Exit(exit) => return Ok(exit),
                 Message::Error(e) => return Err(agent_error(e)),
                 other if started => {
-                    return Err(unexpected("STDOUT, STDERR, EXIT or ERROR", &other))
+                    return Err(unexpected(
+                        "STDOUT, STDERR, EXIT or ERROR",
+                        &Incoming::Message(other),
+                    ))
                 }
-                other => return Err(unexpected("STARTED, EXIT or ERROR", &other)),
+                other => {
+                    return Err(unexpected(
+                        "STARTED, EXIT or ERROR",
+                        &Incoming::Message(other),
+                    ))
+                }
             }
         }
     }
 
-    /// [`AgentClient::exec`], collecting the output in memory.
+    /// [`AgentClient::exec`], collecting up to [`DEFAULT_OUTPUT_LIMIT`] bytes of each output
+    /// stream in memory (the rest is counted).
     pub fn exec_output(
         self,
         request: &ExecRequest,
         stdin: Option<Vec<u8>>,
     ) -> Result<ExecOutput, Error> {
-        let mut stdout = Vec::new();
-        let mut stderr = Vec::new();
-        let exit = self.exec(
+        self.exec_output_limited(request, stdin, DEFAULT_OUTPUT_LIMIT)
+    }
+
+    /// [`AgentClient::exec`], collecting up to `limit` bytes of each output stream in memory;
+    /// what does not fit is counted in `stdout_dropped` / `stderr_dropped`, not kept.
+    pub fn exec_output_limited(
+        self,
+        request: &ExecRequest,
+        stdin: Option<Vec<u8>>,
+        limit: usize,
+    ) -> Result<ExecOutput, Error> {
+        let mut out = ExecOutput::default();
+        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+        let (mut stdout_dropped, mut stderr_dropped) = (0u64, 0u64);
+        out.exit = self.exec(
             request,
             stdin.map(Cursor::new),
-            |b| stdout.extend_from_slice(b),
-            |b| stderr.extend_from_slice(b),
+            |b| stdout_dropped += keep_bounded(&mut stdout, limit, b),
+            |b| stderr_dropped += keep_bounded(&mut stderr, limit, b),
         )?;
-        Ok(ExecOutput {
-            exit,
-            stdout,
-            stderr,
-        })
+        out.stdout = stdout;
+        out.stderr = stderr;
+        out.stdout_dropped = stdout_dropped;
+        out.stderr_dropped = stderr_dropped;
+        Ok(out)
     }
 }
 

@@ -76,6 +76,14 @@ pub enum Error {
     /// The request was refused before anything was sent; the message says why.
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// The agent sent more than this client keeps (say, a directory past its listing
+    /// limits): nothing of it is returned.
+    #[error("the agent's {what} exceeds {limit}: {advice}")]
+    TooLarge {
+        what: &'static str,
+        limit: String,
+        advice: &'static str,
+    },
     /// A signal was sent while no program was running on that connection.
     #[error("no program is running on this connection (not started yet, or already exited)")]
     NotRunning,

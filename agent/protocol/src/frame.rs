@@ -79,10 +79,24 @@ pub fn read_frame<R: Read + ?Sized>(r: &mut R) -> Result<Option<Frame>, FrameErr
     let mut kind = [0u8; 1];
     read_exact_or_truncated(r, &mut kind)?;
     let kind = check_type(kind[0])?;
-    // Bounded by check_length: at most MAX_FRAME - 1 bytes.
-    let mut payload = vec![0u8; len - 1];
-    read_exact_or_truncated(r, &mut payload)?;
+    let payload = read_payload(r, len - 1)?;
     Ok(Some(Frame { kind, payload }))
+}
+
+/// How far ahead of the bytes received a payload buffer grows.
+const PAYLOAD_STEP: usize = 64 * 1024;
+
+/// Reads a payload of exactly `len` bytes (at most `MAX_FRAME - 1`: checked by the caller),
+/// growing its buffer as the bytes arrive: a peer that announces a full frame and then stalls
+/// makes the reader hold what it sent (plus one step), not what it announced.
+fn read_payload<R: Read + ?Sized>(r: &mut R, len: usize) -> Result<Vec<u8>, FrameError> {
+    let mut payload = Vec::with_capacity(len.min(PAYLOAD_STEP));
+    while payload.len() < len {
+        let start = payload.len();
+        payload.resize(start + (len - start).min(PAYLOAD_STEP), 0);
+        read_exact_or_truncated(r, &mut payload[start..])?;
+    }
+    Ok(payload)
 }
 
 fn read_exact_or_truncated<R: Read + ?Sized>(r: &mut R, buf: &mut [u8]) -> Result<(), FrameError> {

@@ -31,7 +31,10 @@ pub mod frame_type;
 pub mod messages;
 pub mod params;
 
-pub use client::{AgentClient, Duplex, ExecOutput, Signaller, WriteFileOptions};
+pub use client::{
+    entry_bytes, AgentClient, Duplex, ExecOutput, ExecStatus, ListLimits, Listing, Signaller,
+    WriteFileOptions, DEFAULT_OUTPUT_LIMIT, MAX_HELLO,
+};
 pub use error::{Error, FrameError, ProtocolError};
 pub use frame::{encode_frame, read_frame, write_frame, Frame, FrameDecoder};
 pub use frame_type::FrameType;

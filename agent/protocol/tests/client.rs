@@ -259,3 +259,131 @@ fn write_file_reports_the_agents_early_error() {
     assert_eq!(e.agent_code(), Some(ErrorCode::NotFound), "{e}");
     agent.join().unwrap();
 }
+
+fn entry(name: String) -> DirEntry {
+    DirEntry {
+        name,
+        file_type: FileType::File,
+        size: 0,
+        mode: 0o644,
+        mtime_ms: 0,
+    }
+}
+
+/// An agent that answers a list with `batches` ENTRIES frames of `per` entries, then OK,
+/// stopping quietly when the host stops reading.
+fn listing_agent(batches: usize, per: usize) -> impl FnOnce(UnixStream) + Send + 'static {
+    move |mut s| {
+        write_message(&mut s, &hello(1)).unwrap();
+        let _ = expect_request(&mut s);
+        for b in 0..batches {
+            let batch = (0..per).map(|i| entry(format!("{b:04}-{i:04}"))).collect();
+            if write_message(&mut s, &Message::Entries(batch)).is_err() {
+                return;
+            }
+        }
+        let count = (batches * per) as u64;
+        let _ = write_message(&mut s, &Message::ok(&ListReply { count }).unwrap());
+    }
+}
+
+#[test]
+fn a_listing_past_its_limits_is_cut_and_says_so() {
+    // By entries: 10 of 30 kept; the reading stops at the first entry past them.
+    let (client, agent) = with_fake_agent(listing_agent(3, 10));
+    let limits = ListLimits {
+        max_entries: 10,
+        max_bytes: usize::MAX,
+    };
+    let listing = client.list_limited("/", limits).unwrap();
+    assert!(listing.truncated);
+    assert_eq!(listing.entries.len(), 10);
+    assert_eq!(listing.received, 20, "two frames read, the second not kept");
+    agent.join().unwrap();
+
+    // By bytes: what the kept entries take in memory, names included.
+    let (client, agent) = with_fake_agent(listing_agent(3, 10));
+    let one = entry_bytes(&entry("0000-0000".into()));
+    let limits = ListLimits {
+        max_entries: usize::MAX,
+        max_bytes: one * 15,
+    };
+    let listing = client.list_limited("/", limits).unwrap();
+    assert!(listing.truncated);
+    assert_eq!(listing.entries.len(), 15);
+    assert_eq!(listing.received, 20, "two frames read, the second cut");
+    assert!(listing.entries.windows(2).all(|w| w[0].name <= w[1].name));
+    agent.join().unwrap();
+
+    // Within the limits: whole, checked against the agent's count, not truncated.
+    let (client, agent) = with_fake_agent(listing_agent(3, 10));
+    let listing = client.list_limited("/", ListLimits::default()).unwrap();
+    assert!(!listing.truncated);
+    assert_eq!((listing.entries.len(), listing.received), (30, 30));
+    agent.join().unwrap();
+}
+
+#[test]
+fn a_listing_past_the_default_limits_is_an_error_not_a_growing_vector() {
+    let limits = ListLimits::default();
+    let per = 10_000;
+    let (client, agent) = with_fake_agent(listing_agent(limits.max_entries / per + 1, per));
+    let e = client.list("/").unwrap_err();
+    assert!(matches!(e, Error::TooLarge { .. }), "{e}");
+    assert!(e.to_string().contains("list_limited"), "{e}");
+    agent.join().unwrap();
+}
+
+#[test]
+fn collected_output_is_bounded() {
+    let (client, agent) = with_fake_agent(|mut s| {
+        write_message(&mut s, &hello(1)).unwrap();
+        let _ = expect_request(&mut s);
+        write_message(&mut s, &Message::Started(Started { pid: 9 })).unwrap();
+        for _ in 0..4 {
+            write_message(&mut s, &Message::Stdout(vec![b'o'; 1000])).unwrap();
+            write_message(&mut s, &Message::Stderr(vec![b'e'; 10])).unwrap();
+        }
+        write_message(&mut s, &Message::Exit(ExitRecord::default())).unwrap();
+    });
+    let out = client
+        .exec_output_limited(&ExecRequest::argv(["x"]), None, 2500)
+        .unwrap();
+    assert_eq!(out.stdout.len(), 2500);
+    assert_eq!(out.stdout_dropped, 1500);
+    assert_eq!(out.stderr.len(), 40);
+    assert_eq!(out.stderr_dropped, 0);
+    agent.join().unwrap();
+}
+
+#[test]
+fn a_hello_past_its_bound_is_refused() {
+    let (client, agent) = with_fake_agent(|mut s| {
+        let big = Message::Hello(Hello {
+            protocol: 1,
+            agent: "x".repeat(MAX_HELLO),
+            ops: vec![],
+        });
+        let _ = write_message(&mut s, &big);
+    });
+    let e = client.ping().unwrap_err();
+    assert!(e.to_string().contains("HELLO"), "{e}");
+    agent.join().unwrap();
+}
+
+#[test]
+fn an_ok_that_is_not_the_ops_reply_is_a_protocol_error() {
+    let (client, agent) = with_fake_agent(|mut s| {
+        write_message(&mut s, &hello(1)).unwrap();
+        let _ = expect_request(&mut s);
+        let json = format!("[{}0]", "0,".repeat(1000));
+        s.write_all(&encode_frame(FrameType::Ok, json.as_bytes()).unwrap())
+            .unwrap();
+    });
+    let e = client.stat("/", true).unwrap_err();
+    assert!(
+        matches!(e, Error::Protocol(ProtocolError::BadPayload { .. })),
+        "{e}"
+    );
+    agent.join().unwrap();
+}

@@ -96,14 +96,17 @@ impl Machine {
     /// The kick costs the vCPU one exit and nothing else (it enters again at once), so a
     /// false match (a guest that ignores its UART) is harmless. Returns the vCPUs kicked.
     pub fn nudge_stalled_console(&self) -> Vec<u8> {
-        if self.vm.paused || !mayfly_devices::bus::lock(&self.devices.serial).interrupt_pending()
-        {
+        if self.vm.paused || !mayfly_devices::bus::lock(&self.devices.serial).interrupt_pending() {
             return Vec::new();
         }
         let stall = u64::try_from(CONSOLE_STALL.as_nanos()).unwrap_or(u64::MAX);
         let mut nudged = Vec::new();
         for vcpu in &self.vm.vcpus {
-            if vcpu.activity().in_kvm_run_for_ns().is_some_and(|ns| ns > stall) {
+            if vcpu
+                .activity()
+                .in_kvm_run_for_ns()
+                .is_some_and(|ns| ns > stall)
+            {
                 vcpu.nudge();
                 nudged.push(vcpu.index);
             }

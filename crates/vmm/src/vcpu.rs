@@ -107,12 +107,10 @@ impl VcpuActivity {
 
     /// How long the vCPU has been inside its current `KVM_RUN`, if it is in one.
     pub fn in_kvm_run_for_ns(&self) -> Option<u64> {
-        self.in_kvm_run
-            .load(Ordering::Acquire)
-            .then(|| {
-                mayfly_devices::probe::monotonic_ns()
-                    .saturating_sub(self.since_ns.load(Ordering::Relaxed))
-            })
+        self.in_kvm_run.load(Ordering::Acquire).then(|| {
+            mayfly_devices::probe::monotonic_ns()
+                .saturating_sub(self.since_ns.load(Ordering::Relaxed))
+        })
     }
 
     /// One line: in KVM_RUN or not, since when, how many entries, the last exit.

@@ -56,7 +56,7 @@ pub enum ThreadKind {
     BlockDevice,
     /// virtio-vsock: Unix sockets to and from the host's side, made and accepted.
     VsockDevice,
-    /// The control socket's threads (accepting, one per connection, the exec watchers): Unix
+    /// The control socket's threads (accepting, one per connection): Unix
     /// sockets, and threads of their own.
     Api,
     /// The guest agent's refresh after a restore or fork: Unix socket clients only.
@@ -224,8 +224,8 @@ const BLOCK: &[libc::c_long] = &[
 ];
 
 /// Sockets connected, read and written (the vsock device's host side, the control socket's
-/// clients and its connections to the guest agent, the refresh's). Making one (`socket`,
-/// `socketpair`) is allowed for Unix sockets only: see [`policy`].
+/// clients and its connections to the guest agent, the refresh's). Making one (`socket`) is
+/// allowed for Unix sockets only: see [`policy`].
 const SOCKET_CLIENT: &[libc::c_long] = &[
     libc::SYS_connect,
     libc::SYS_sendto,
@@ -337,13 +337,6 @@ fn policy(kind: ThreadKind, mode: Mode) -> Policy {
     ) {
         guarded.push(Guarded {
             call: libc::SYS_socket,
-            rules: unix_only.clone(),
-        });
-    }
-    if kind == ThreadKind::Api {
-        // The exec watcher's wake-up pair.
-        guarded.push(Guarded {
-            call: libc::SYS_socketpair,
             rules: unix_only,
         });
     }

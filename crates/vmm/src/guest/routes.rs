@@ -3,6 +3,16 @@
 //! never the controller's: a command may run for an hour and a file may be gigabytes, and
 //! neither may hold up pause, snapshot or fork. The controller is asked only whether the VM
 //! runs (a paused VM's agent cannot answer: 409 at once instead of a wait).
+//!
+//! The guest is not trusted. Every call here is bounded and watches its client
+//! ([`crate::guest::watch`]): a deadline (the file routes take `timeout_ms` in their query, up
+//! to [`MAX_CALL_TIMEOUT`]), an idle limit, an exec's own `timeout_ms` plus a grace, and the
+//! client's hang-up, each of which ends the call and closes its connection to the agent.
+//! What the guest sends is kept only up to a bound: a listing up to [`MAX_LIST_ENTRIES`] or
+//! [`MAX_LIST_BYTES`] (then cut, `"truncated": true`), a collected exec's output up to
+//! [`MAX_COLLECTED`] per stream, a download's first 1 MiB (then streamed). Answers that can
+//! be large are serialized straight onto the socket, never copied whole first. How many
+//! guest calls run at once is the control socket's to bound (`mayfly_api::MAX_GUEST_CALLS`).
 
 use std::io::{self, Write};
 use std::os::unix::net::UnixStream;
@@ -10,16 +20,19 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use mayfly_agent_protocol::{ErrorCode, ExitRecord, WriteFileOptions, MAX_PAYLOAD};
+use mayfly_agent_protocol::{
+    DirEntry, ErrorCode, ExitRecord, ListLimits, WriteFileOptions, MAX_PAYLOAD,
+};
 use mayfly_api::guest::{
     exec_json, BoundedOutput, Call, Context, GuestRoutes, HttpExec, Outcome, Utf8Pieces,
     MAX_COLLECTED, MAX_LIST_ENTRIES,
 };
-use mayfly_api::http::{Chunked, Request, StreamedBody};
+use mayfly_api::http::{query_param, Chunked, Request, StreamedBody};
 use mayfly_api::Reply;
+use serde::Serialize;
 use serde_json::json;
 
-use crate::guest::agent::{Agent, AgentError};
+use crate::guest::agent::{Agent, AgentError, Stop, MAX_CALL_TIMEOUT};
 use crate::guest::refresh::{RefreshState, RefreshStatus};
 
 /// How long an exec waits for a refresh that is still running after a restore or fork.
@@ -27,6 +40,12 @@ const REFRESH_WAIT: Duration = Duration::from_secs(30);
 /// How long a request waits for a clone its fork still holds: the fork's own bound on its
 /// clones being ready, after which it kills them.
 const HELD_WAIT: Duration = mayfly_api::FORK_READY_TIMEOUT;
+/// The memory a listing's kept entries may take (names and entries, as
+/// [`mayfly_agent_protocol::entry_bytes`] counts them): 8 MiB holds 100,000 entries of names
+/// up to about 30 bytes, and with the answer serialized straight onto the socket bounds what
+/// one listing costs the VMM to about twice that, whatever the guest sends. Past it (or past
+/// [`MAX_LIST_ENTRIES`]) the listing is cut and says `"truncated": true`.
+pub const MAX_LIST_BYTES: usize = 8 << 20;
 
 /// The guest routes of one VM: its vsock socket (host side), if it has one, and its refresh
 /// after a restore or fork, which guest routes wait for.
@@ -39,9 +58,43 @@ pub struct Routes {
 impl GuestRoutes for Routes {
     /// Serve one request for a guest route on `stream`.
     fn serve(&self, call: Call, request: &Request, stream: &UnixStream, cx: &Context) -> Outcome {
+        let outcome = self.serve_call(call, request, stream, cx);
+        if let Outcome::Written = outcome {
+            // The answer is complete: say so now, whatever else still holds the connection.
+            let _ = stream.shutdown(std::net::Shutdown::Write);
+        }
+        outcome
+    }
+}
+
+impl Routes {
+    fn serve_call(
+        &self,
+        call: Call,
+        request: &Request,
+        stream: &UnixStream,
+        cx: &Context,
+    ) -> Outcome {
+        // Exec has its own timeout_ms (in its body); the other calls may ask for a deadline.
+        let timeout = match &call {
+            Call::Exec(_) | Call::Agent => None,
+            _ => match call_timeout(request) {
+                Ok(timeout) => timeout,
+                Err(reply) => return reply.into(),
+            },
+        };
         let agent = match self.agent_for(cx) {
             Ok(agent) => agent,
             Err(reply) => return reply.into(),
+        };
+        let agent = match timeout {
+            Some(timeout) => agent.with_timeout(timeout),
+            None => agent,
+        };
+        // The client's hang-up ends the call (and an exec's command).
+        let agent = match agent.clone().watching(stream) {
+            Ok(watching) => watching,
+            Err(_) => agent,
         };
         let result = match call {
             Call::Exec(exec) => return run_exec(*exec, stream, &agent, cx),
@@ -57,15 +110,7 @@ impl GuestRoutes for Routes {
                 .stat(&path, follow)
                 .map(|stat| Reply::ok(serde_json::to_value(stat).unwrap_or_default()))
                 .map_err(agent_reply),
-            Call::List { path } => agent.list(&path).map_err(agent_reply).map(|mut entries| {
-                let total = entries.len();
-                entries.truncate(MAX_LIST_ENTRIES);
-                Reply::ok(json!({
-                    "entries": entries,
-                    "count": total,
-                    "truncated": total > MAX_LIST_ENTRIES,
-                }))
-            }),
+            Call::List { path } => return list(&path, stream, &agent),
             Call::Mkdir {
                 path,
                 mode,
@@ -79,6 +124,23 @@ impl GuestRoutes for Routes {
         match result {
             Ok(reply) | Err(reply) => reply.into(),
         }
+    }
+}
+
+/// The `timeout_ms` query parameter of a file route: the call's deadline.
+fn call_timeout(request: &Request) -> Result<Option<Duration>, Reply> {
+    let Some(text) = query_param(&request.query, "timeout_ms") else {
+        return Ok(None);
+    };
+    let max = MAX_CALL_TIMEOUT.as_millis();
+    match text.parse::<u64>() {
+        Ok(ms) if ms >= 1 && u128::from(ms) <= max => Ok(Some(Duration::from_millis(ms))),
+        _ => Err(Reply::error(
+            400,
+            format!(
+                "the query parameter timeout_ms must be a whole number of milliseconds from 1 to {max}, not {text:?}"
+            ),
+        )),
     }
 }
 
@@ -145,6 +207,9 @@ pub fn agent_reply(e: AgentError) -> Reply {
         AgentError::Protocol(P::InvalidRequest(_)) => 400,
         AgentError::Protocol(P::Input(_)) => 400,
         AgentError::Protocol(_) => 502,
+        // Nobody reads this one: the client is gone.
+        AgentError::Stopped(Stop::HungUp) => 400,
+        AgentError::Stopped(_) => 504,
         AgentError::Paused(_) => 409,
         AgentError::Api(_) => 502,
         AgentError::ApiStatus { status, .. } => *status,
@@ -152,20 +217,47 @@ pub fn agent_reply(e: AgentError) -> Reply {
     Reply::error(status, e.to_string())
 }
 
+/// Answer 200 with `body` as JSON, serialized straight onto the socket: an answer that may
+/// be tens of MiB (a listing, an exec's output) is never copied whole into memory first.
+fn write_json(stream: &UnixStream, body: &impl Serialize) -> Outcome {
+    /// Counts what would be written: the Content-Length, before anything is sent.
+    struct Count(u64);
+    impl Write for Count {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.0 += buf.len() as u64;
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    if let Err(e) = serde_json::to_writer(&mut count, body) {
+        return Reply::error(500, format!("cannot encode the answer: {e}")).into();
+    }
+    let head = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        count.0 + 1
+    );
+    let mut out = io::BufWriter::with_capacity(64 << 10, stream);
+    let _ = out
+        .write_all(head.as_bytes())
+        .and_then(|()| serde_json::to_writer(&mut out, body).map_err(io::Error::from))
+        .and_then(|()| out.write_all(b"\n"))
+        .and_then(|()| out.flush());
+    Outcome::Written
+}
+
 // ---------------------------------------------------------------------------------------
 // exec
 
 fn run_exec(exec: HttpExec, stream: &UnixStream, agent: &Agent, cx: &Context) -> Outcome {
     // Connect first, so that an agent that is not up is an ordinary error reply.
-    let mut client = match agent.connect() {
-        Ok(client) => client,
+    let call = match agent.exec_call(&exec.request) {
+        Ok(call) => call,
         Err(e) => return agent_reply(e).into(),
     };
-    let signaller = match client.signaller() {
-        Ok(s) => s,
-        Err(e) => return agent_reply(e.into()).into(),
-    };
-    let agent_stream = client.get_ref().try_clone().ok();
+    let signaller = call.signaller().clone();
     if exec.stream {
         let _ = stream.set_write_timeout(Some(cx.idle));
         let Ok(body) = Chunked::start(stream, "application/x-ndjson") else {
@@ -178,81 +270,26 @@ fn run_exec(exec: HttpExec, stream: &UnixStream, agent: &Agent, cx: &Context) ->
             stdout: Utf8Pieces::default(),
             stderr: Utf8Pieces::default(),
         });
-        let result = watch_hangup(stream, agent_stream, || {
-            client.exec(
-                &exec.request,
-                exec.stdin.map(io::Cursor::new),
-                |b| out.borrow_mut().output(Output::Stdout, b),
-                |b| out.borrow_mut().output(Output::Stderr, b),
-            )
-        });
-        out.into_inner().end(result.map_err(AgentError::from));
+        let result = call.run(
+            exec.stdin.map(io::Cursor::new),
+            |b| out.borrow_mut().output(Output::Stdout, b),
+            |b| out.borrow_mut().output(Output::Stderr, b),
+        );
+        out.into_inner().end(result);
         return Outcome::Written;
     }
+    drop(signaller);
     let mut stdout = BoundedOutput::new(MAX_COLLECTED);
     let mut stderr = BoundedOutput::new(MAX_COLLECTED);
-    let result = watch_hangup(stream, agent_stream, || {
-        client.exec(
-            &exec.request,
-            exec.stdin.map(io::Cursor::new),
-            |b| stdout.push(b),
-            |b| stderr.push(b),
-        )
-    });
-    drop(signaller);
+    let result = call.run(
+        exec.stdin.map(io::Cursor::new),
+        |b| stdout.push(b),
+        |b| stderr.push(b),
+    );
     match result {
-        Ok(exit) => Reply::ok(exec_json(&exit, stdout, stderr)).into(),
-        Err(e) => agent_reply(e.into()).into(),
+        Ok(exit) => write_json(stream, &exec_json(&exit, stdout, stderr)),
+        Err(e) => agent_reply(e).into(),
     }
-}
-
-/// Run `f` (an exec) while watching the client: a client that hangs up (closes its socket)
-/// ends the exec's agent connection, and the agent kills the command. A client that only
-/// half-closes (shuts its write side after the request) is not hanging up.
-fn watch_hangup<T>(client: &UnixStream, agent: Option<UnixStream>, f: impl FnOnce() -> T) -> T {
-    let Some(agent) = agent else {
-        return f();
-    };
-    let Ok((done, woken)) = UnixStream::pair() else {
-        return f();
-    };
-    // Under this connection thread's seccomp filter, which it inherits.
-    let label = mayfly_jail::seccomp::Label::current();
-    std::thread::scope(|scope| {
-        let watcher = std::thread::Builder::new()
-            .name("api-exec-watch".into())
-            .stack_size(mayfly_sys::HELPER_THREAD_STACK)
-            .spawn_scoped(scope, || {
-                label.apply();
-                use nix::poll::{poll, PollFd, PollFlags};
-                // Bits nix does not know (None) count as fired: never a spin on them.
-                let fired = |fd: &PollFd| fd.revents().is_none_or(|r| !r.is_empty());
-                loop {
-                    let mut fds = [
-                        // No events asked: POLLHUP (peer closed) and POLLERR come anyway, and
-                        // bytes a client sends after its request do not wake us.
-                        PollFd::new(client, PollFlags::empty()),
-                        PollFd::new(&woken, PollFlags::POLLIN),
-                    ];
-                    match poll(&mut fds, -1) {
-                        Err(nix::errno::Errno::EINTR) => continue,
-                        Err(_) => return,
-                        Ok(_) if fired(&fds[1]) => return,
-                        Ok(_) => {}
-                    }
-                    if fired(&fds[0]) {
-                        let _ = agent.shutdown(std::net::Shutdown::Both);
-                        return;
-                    }
-                }
-            });
-        let result = f();
-        drop(done);
-        if let Ok(handle) = watcher {
-            let _ = handle.join();
-        }
-        result
-    })
 }
 
 #[derive(Clone, Copy)]
@@ -353,16 +390,11 @@ fn write_file(
 }
 
 fn read_file(path: &str, stream: &UnixStream, agent: &Agent) -> Outcome {
-    // Start the read before answering, so that a missing file is a 404, not a cut body.
-    let mut client = match agent.connect() {
-        Ok(client) => client,
-        Err(e) => return agent_reply(e).into(),
-    };
-    let _ = client.hello();
     let mut first = Vec::new();
     let mut head_sent: Option<Chunked> = None;
-    // Buffer the first chunk: an error before any data is still a proper reply.
-    let result = client.read_file(
+    // Buffer the first chunk: an error before any data (a missing file, an agent that is not
+    // up) is still a proper reply, not a cut body.
+    let result = agent.read_file(
         path,
         Forward {
             first: &mut first,
@@ -386,7 +418,34 @@ fn read_file(path: &str, stream: &UnixStream, agent: &Agent) -> Outcome {
         },
         // Data already went out: end without the last chunk, so the client sees a cut body.
         (Err(_), Some(_)) => Outcome::Written,
-        (Err(e), None) => agent_reply(e.into()).into(),
+        (Err(e), None) => agent_reply(e).into(),
+    }
+}
+
+/// `GET /vm/files/list`: as much of the listing as [`MAX_LIST_ENTRIES`] and
+/// [`MAX_LIST_BYTES`] keep, sorted by name; `count` is every entry the agent sent (all of the
+/// directory unless `truncated`).
+fn list(path: &str, stream: &UnixStream, agent: &Agent) -> Outcome {
+    #[derive(Serialize)]
+    struct Answer<'a> {
+        count: u64,
+        entries: &'a [DirEntry],
+        truncated: bool,
+    }
+    let limits = ListLimits {
+        max_entries: MAX_LIST_ENTRIES,
+        max_bytes: MAX_LIST_BYTES,
+    };
+    match agent.list_limited(path, limits) {
+        Ok(listing) => write_json(
+            stream,
+            &Answer {
+                count: listing.received,
+                entries: &listing.entries,
+                truncated: listing.truncated,
+            },
+        ),
+        Err(e) => agent_reply(e).into(),
     }
 }
 
