@@ -21,6 +21,12 @@ const WRITE: u16 = virtio_bindings::virtio_ring::VRING_DESC_F_WRITE as u16;
 const NEXT: u16 = virtio_bindings::virtio_ring::VRING_DESC_F_NEXT as u16;
 const GUEST_CID: u64 = 7;
 const QLEN: u16 = 64;
+/// The mock rings are made this long and the queues then set to [`QLEN`]: virtio-queue's mock
+/// places the used ring `len` bytes after the available ring's start instead of `2 * len + 6`,
+/// so at the queue's own length the available ring's upper half and the used ring's head
+/// overlap (posting a 32nd buffer overwrote the used index). Four times longer, the first
+/// [`QLEN`] entries of each ring are clear of the other.
+const MOCK_LEN: u16 = 4 * QLEN;
 /// Where each queue's buffers live in guest memory.
 const RX_BUFS: u64 = 0x10_0000;
 const TX_BUFS: u64 = 0x60_0000;
@@ -44,9 +50,9 @@ impl<'a> Guest<'a> {
     fn new(mem: &'a GuestMemory) -> Self {
         Self {
             mem,
-            rx: MockSplitQueue::create(mem, GuestAddress(0x1000), QLEN),
-            tx: MockSplitQueue::create(mem, GuestAddress(0x4000), QLEN),
-            evt: MockSplitQueue::create(mem, GuestAddress(0x7000), QLEN),
+            rx: MockSplitQueue::create(mem, GuestAddress(0x1000), MOCK_LEN),
+            tx: MockSplitQueue::create(mem, GuestAddress(0x4000), MOCK_LEN),
+            evt: MockSplitQueue::create(mem, GuestAddress(0x7000), MOCK_LEN),
             rx_posted: 0,
             rx_seen: 0,
             tx_sent: 0,
@@ -56,11 +62,13 @@ impl<'a> Guest<'a> {
     }
 
     fn queues(&self) -> Vec<Queue> {
-        vec![
-            self.rx.create_queue().unwrap(),
-            self.tx.create_queue().unwrap(),
-            self.evt.create_queue().unwrap(),
-        ]
+        [&self.rx, &self.tx, &self.evt]
+            .map(|mock| {
+                let mut queue: Queue = mock.create_queue().unwrap();
+                queue.try_set_size(QLEN).unwrap();
+                queue
+            })
+            .into()
     }
 
     fn post(q: &MockSplitQueue<'a, GuestMemory>, posted: &mut u16, base: u64, len: u32) {
@@ -701,5 +709,101 @@ fn keeps_the_device_contract() {
             guest_cid: GUEST_CID,
             path: None,
         },
+    );
+}
+
+/// A guest that floods one connection (its host end never reads) and never acknowledges
+/// what it receives on another (its credit never comes back) stalls those two connections
+/// only: the device's TX queue keeps moving, what it reads from the host is bounded by the
+/// credit the guest gave, and a third connection still carries data both ways.
+#[test]
+fn a_flooding_guest_that_never_acknowledges_stalls_only_its_own_connections() {
+    let rig = Rig::new("flood");
+    let mut guest = Guest::new(&rig.mem);
+    guest.post_rx(32);
+    let mut dev = Dev::start(
+        Vsock::new(GUEST_CID, Some(&rig.path)).unwrap(),
+        &rig.mem,
+        &guest,
+    );
+
+    // 1. Connection A: the guest sends all the credit mayfly gave it, in 4 KiB packets;
+    //    the host end never reads. Every packet is taken off the TX ring.
+    let (_host_a, local_a) = host_connect(&mut dev, &mut guest, &rig.path, 52);
+    let chunk = vec![0x5au8; 4096];
+    for _ in 0..(BUF_ALLOC as usize / chunk.len()) {
+        guest.send(guest_hdr(52, local_a, OP_RW), &chunk);
+        dev.kick(TX);
+        dev.turn();
+        let got = guest.received().len() as u16;
+        guest.post_rx(got);
+    }
+    dev.until("every TX descriptor of the flood back", |d| {
+        d.turn();
+        guest.tx_used() == guest.tx_sent
+    });
+
+    // 2. Connection B: the host writes as fast as it can; the guest posts RX buffers but
+    //    never says it consumed anything (fwd_cnt stays 0, no CREDIT_UPDATE).
+    let (mut host_b, local_b) = host_connect(&mut dev, &mut guest, &rig.path, 53);
+    host_b.set_nonblocking(true).unwrap();
+    let guest_credit = guest_hdr(0, 0, 0).buf_alloc as usize;
+    let mut written = 0usize;
+    let mut delivered_b = 0usize;
+    let mut blocked_rounds = 0;
+    let block = vec![0xa5u8; 64 << 10];
+    while blocked_rounds < 20 {
+        match host_b.write(&block) {
+            Ok(n) => {
+                written += n;
+                blocked_rounds = 0;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => blocked_rounds += 1,
+            Err(e) => panic!("connection B's host end failed: {e}"),
+        }
+        assert!(
+            written <= 16 * guest_credit,
+            "the device read {written} bytes for a guest that gave {guest_credit} of credit"
+        );
+        dev.turn();
+        let received = guest.received();
+        for (h, p) in &received {
+            if h.op == OP_RW && { h.src_port } == local_b {
+                delivered_b += p.len();
+            }
+        }
+        guest.post_rx(received.len() as u16);
+    }
+    assert!(
+        delivered_b <= guest_credit,
+        "{delivered_b} bytes sent to a guest that gave {guest_credit} of credit"
+    );
+    assert!(delivered_b > 0, "connection B carried nothing at all");
+
+    // 3. Connection C: still both ways, while A and B stay stalled.
+    let (mut host_c, local_c) = host_connect(&mut dev, &mut guest, &rig.path, 54);
+    host_c.write_all(b"still here").unwrap();
+    let mut data = Vec::new();
+    dev.until("connection C's data", |d| {
+        d.turn();
+        let received = guest.received();
+        for (h, p) in &received {
+            if h.op == OP_RW && { h.src_port } == local_c {
+                data.extend_from_slice(p);
+            }
+        }
+        guest.post_rx(received.len() as u16);
+        data == b"still here"
+    });
+    guest.send(guest_hdr(54, local_c, OP_RW), b"and back");
+    dev.kick(TX);
+    dev.turn();
+    let mut back = [0u8; 8];
+    host_c.read_exact(&mut back).unwrap();
+    assert_eq!(&back, b"and back");
+    assert_eq!(
+        dev.dev.lock().unwrap().connections(),
+        3,
+        "the stalled connections are kept, not reset: they did nothing wrong"
     );
 }
