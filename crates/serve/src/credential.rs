@@ -2,19 +2,24 @@
 //! acts for, and what the manager checks.
 //!
 //! At its create the manager gives each sandbox (its guest, through the agent) the file
-//! [`GUEST_PATH`]: `{"sandbox": NAME, "acts_for": ..., "created_ms": ..., "credential":
-//! "mfc_..."}`. The credential is the claims (the same three fields) signed with HMAC-SHA256
-//! under the manager's own key (`<state-dir>/credential.key`, made at the first start, mode
-//! 0600): `mfc_` + hex(claims JSON) + `.` + hex(MAC). Anything the guest talks to (a service
-//! of the platform's) can send it to `POST /credentials/verify`, and the manager answers
-//! whether it is one it made for a sandbox that still exists (the same name and create
-//! time: a sandbox deleted and made again under its name is another sandbox).
+//! [`GUEST_PATH`]: `{"sandbox": NAME, "acts_for": ..., "created_ms": ..., "id": ...,
+//! "credential": "mfc_..."}` (and `audience`, `expires_ms` when it was minted with them). The
+//! credential is the claims (the fields but `credential`) signed with HMAC-SHA256 under the
+//! manager's own key (`<state-dir>/credential.key`, made at the first start, mode 0600):
+//! `mfc_` + hex(claims JSON) + `.` + hex(MAC), the hex lower case (the one spelling that
+//! verifies). Anything the guest talks to (a service of the platform's) can send it to
+//! `POST /credentials/verify`, and the manager answers whether it is one it made for a
+//! sandbox that still exists (the same name and create time: a sandbox deleted and made again
+//! under its name is another sandbox), and the one of the sandbox's credentials that verifies
+//! now: the sandbox's record keeps the `id` of the latest minted (`POST
+//! /sandboxes/NAME/credential` mints a new one, with an audience and an expiry if asked;
+//! `DELETE` revokes), and an expired one does not verify.
 //!
 //! It is not the sandbox's token (which reaches the manager's API for that sandbox and must
 //! never be inside a guest the sandbox's user does not control): it grants nothing by
-//! itself, only says who. A fork's clones get credentials of their own; they also hold
-//! their source's in their memory, as they hold everything the source had, so a credential
-//! shown by a guest proves it is that sandbox or descends from it.
+//! itself, only says who. A fork's clones get credentials of their own (their file replaced);
+//! they also hold their source's in their memory, as they hold everything the source had, but
+//! that one says it is the source, and stops verifying when the source's is rotated.
 
 use std::path::Path;
 

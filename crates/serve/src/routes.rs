@@ -739,15 +739,21 @@ impl Bounds {
     fn of(request: &Request, vm: &str) -> Bounds {
         if vm == "/vm/exec" {
             // The VMM ends an exec at its timeout_ms plus its grace, once started.
-            let timeout_ms = serde_json::from_slice::<Value>(&request.body)
-                .ok()
-                .and_then(|b| b["timeout_ms"].as_u64());
-            let whole = timeout_ms.map(|ms| {
+            let body = serde_json::from_slice::<Value>(&request.body).unwrap_or_default();
+            let whole = body["timeout_ms"].as_u64().map(|ms| {
                 Duration::from_millis(ms)
                     .saturating_add(EXEC_START_TIMEOUT + EXEC_GRACE + VMM_MARGIN)
             });
+            // A streamed exec's answer starts once the agent is reached (its first bytes
+            // come before the command's); a collected one's only at the end.
+            let head = if body["stream"] == Value::Bool(true) {
+                let start = EXEC_START_TIMEOUT + VMM_MARGIN;
+                Some(whole.map_or(start, |w| w.min(start)))
+            } else {
+                whole
+            };
             return Bounds {
-                head: whole,
+                head,
                 idle: None,
                 whole,
             };
