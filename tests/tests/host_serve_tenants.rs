@@ -484,3 +484,41 @@ fn credentials_expire_rotate_and_are_revoked_per_sandbox_and_tokens_expire() {
         "{described}"
     );
 }
+
+#[test]
+fn a_name_is_measured_by_the_socket_path_its_vmm_binds() {
+    let dir = TestDir::new("tenants-path");
+    let m = Manager::start(&dir);
+    // The longest path a sandbox's VMM binds: its vsock socket for the highest port, beside
+    // its control socket in its directory's `sock/`. A Unix socket path holds 107 bytes.
+    let base = format!("{}/sandboxes/", m.state.display()).len();
+    let tail = "/sock/vm.sock.vsock_4294967295".len();
+    let fits = 107 - base - tail;
+    assert!(
+        (2..=63).contains(&fits),
+        "the test directory's path ({base} bytes) leaves no room to test this"
+    );
+    let spec = |name: &str| {
+        json!({
+            "name": name,
+            "kernel": mayfly_tests::probe::ELF,
+            "mem_mib": 64,
+            "cmdline": "touch=1",
+            "probe": true,
+        })
+    };
+    let over = "o".repeat(fits + 1);
+    let (status, body) = m.admin("POST", "/sandboxes", Some(spec(&over)));
+    assert_eq!(
+        status,
+        409,
+        "a {}-byte socket path was let through: {body}",
+        base + tail + fits + 1
+    );
+    assert!(
+        body["error"].as_str().unwrap().contains("108 bytes long"),
+        "{body}"
+    );
+    let (status, body) = m.admin("POST", "/sandboxes", Some(spec(&"f".repeat(fits))));
+    assert_eq!(status, 201, "{body}");
+}
