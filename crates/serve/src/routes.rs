@@ -723,6 +723,10 @@ const GUEST_CALL_TIMEOUT: Duration = Duration::from_secs(60);
 const GUEST_MAX_CALL_TIMEOUT: Duration = Duration::from_secs(600);
 const EXEC_START_TIMEOUT: Duration = Duration::from_secs(30);
 const EXEC_GRACE: Duration = Duration::from_secs(10);
+/// The longest a call into the guest other than an exec may take in all: a file's transfer,
+/// which the VMM bounds only by the guest's silence, so that a guest sending a byte now and
+/// then cannot hold a connection for ever.
+const GUEST_TRANSFER_LIMIT: Duration = Duration::from_secs(3600);
 
 /// The deadlines of one call passed to a VMM: for its first bytes (from the call's start),
 /// between bytes after them, and for the whole call; None: not bounded (an exec without a
@@ -769,7 +773,7 @@ impl Bounds {
             return Bounds {
                 head: Some(call + VMM_MARGIN),
                 idle: Some(VMM_IDLE_TIMEOUT),
-                whole: None,
+                whole: Some(GUEST_TRANSFER_LIMIT),
             };
         }
         let head = if request.method == "GET" {
