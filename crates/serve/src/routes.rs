@@ -894,3 +894,61 @@ fn relay(vmm: &UnixStream, client: &UnixStream, bounds: &Bounds) -> Relayed {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(method: &str, query: &str, body: &str) -> Request {
+        Request {
+            method: method.into(),
+            path: String::new(),
+            query: query.into(),
+            body: body.as_bytes().to_vec(),
+            streamed_body_len: None,
+            authorization: None,
+        }
+    }
+
+    #[test]
+    fn every_call_passed_to_a_vmm_has_deadlines_but_an_exec_without_its_own() {
+        let secs = Duration::from_secs;
+        let read = Bounds::of(&request("GET", "", ""), "/vm");
+        assert_eq!(read.head, Some(secs(15)));
+        assert_eq!(read.idle, Some(secs(45)));
+        assert!(read.whole.is_some());
+        assert_eq!(
+            Bounds::of(&request("PUT", "", ""), "/vm/pause").head,
+            Some(secs(120))
+        );
+        // An exec: its timeout_ms, its start and the agent's grace, and a margin.
+        let exec = Bounds::of(
+            &request("POST", "", r#"{"argv": ["x"], "timeout_ms": 5000}"#),
+            "/vm/exec",
+        );
+        assert_eq!(
+            (exec.head, exec.idle, exec.whole),
+            (Some(secs(60)), None, Some(secs(60)))
+        );
+        let streamed = Bounds::of(
+            &request(
+                "POST",
+                "",
+                r#"{"argv": ["x"], "timeout_ms": 500000, "stream": true}"#,
+            ),
+            "/vm/exec",
+        );
+        assert_eq!(streamed.head, Some(secs(45)));
+        assert_eq!(streamed.whole, Some(secs(555)));
+        let endless = Bounds::of(&request("POST", "", r#"{"argv": ["x"]}"#), "/vm/exec");
+        assert_eq!((endless.head, endless.whole), (None, None));
+        // A guest call: its own deadline (or the VMM's default) and a margin.
+        let stat = Bounds::of(
+            &request("GET", "path=/x&timeout_ms=2000", ""),
+            "/vm/files/stat",
+        );
+        assert_eq!(stat.head, Some(secs(17)));
+        let list = Bounds::of(&request("GET", "path=/x", ""), "/vm/files/list");
+        assert_eq!(list.head, Some(secs(75)));
+    }
+}

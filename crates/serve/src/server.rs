@@ -241,3 +241,37 @@ fn connection(manager: &Manager, lanes: &Lanes, stream: UnixStream) {
         refusal_reply(&stream, &refused);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_holds_its_share_and_the_tenants_leave_the_admins_lane() {
+        let lanes = Lanes::default();
+        let mine: Vec<_> = (0..PER_TENANT)
+            .map(|_| lanes.take(Some("mfs_a")).expect("within its share"))
+            .collect();
+        let over = lanes.take(Some("mfs_a")).err().expect("past its share");
+        assert_eq!((over.status, over.retry_after), (429, Some(1)));
+        // Another token is not held back by it; one given back makes room again.
+        drop(lanes.take(Some("mfs_b")).expect("another token's"));
+        drop(mine);
+        let again = lanes.take(Some("mfs_a")).expect("room again");
+        drop(again);
+        // The tenants together stop short of the admin's lane.
+        let pool = MAX_CONNECTIONS - ADMIN_LANE;
+        let held: Vec<_> = (0..pool)
+            .map(|i| {
+                lanes
+                    .take(Some(&format!("mfs_{i}")))
+                    .expect("within the pool")
+            })
+            .collect();
+        let full = lanes.take(Some("mfs_new")).err().expect("the pool is full");
+        assert_eq!((full.status, full.retry_after), (503, Some(1)));
+        drop(held);
+        assert_eq!(lock(&lanes.held).0, 0);
+        assert!(lock(&lanes.held).1.is_empty());
+    }
+}
