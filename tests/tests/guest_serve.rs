@@ -67,7 +67,14 @@ fn a_sandbox_wakes_from_disk_with_its_files_and_processes() {
     let credential = guest_credential(&m, &token, "box");
     assert_eq!(
         verify(&m, &credential),
-        json!({ "valid": true, "sandbox": "box", "acts_for": "user:alice", "created_ms": vm["created_ms"] })
+        json!({
+            "valid": true,
+            "sandbox": "box",
+            "acts_for": "user:alice",
+            "created_ms": vm["created_ms"],
+            "audience": null,
+            "expires_ms": null,
+        })
     );
     let forged = credential.replacen("626f78", "626f79", 1);
     assert_eq!(verify(&m, &forged)["valid"], false);

@@ -2,19 +2,24 @@
 //! acts for, and what the manager checks.
 //!
 //! At its create the manager gives each sandbox (its guest, through the agent) the file
-//! [`GUEST_PATH`]: `{"sandbox": NAME, "acts_for": ..., "created_ms": ..., "credential":
-//! "mfc_..."}`. The credential is the claims (the same three fields) signed with HMAC-SHA256
-//! under the manager's own key (`<state-dir>/credential.key`, made at the first start, mode
-//! 0600): `mfc_` + hex(claims JSON) + `.` + hex(MAC). Anything the guest talks to (a service
-//! of the platform's) can send it to `POST /credentials/verify`, and the manager answers
-//! whether it is one it made for a sandbox that still exists (the same name and create
-//! time: a sandbox deleted and made again under its name is another sandbox).
+//! [`GUEST_PATH`]: `{"sandbox": NAME, "acts_for": ..., "created_ms": ..., "id": ...,
+//! "credential": "mfc_..."}` (and `audience`, `expires_ms` when it was minted with them). The
+//! credential is the claims (the fields but `credential`) signed with HMAC-SHA256 under the
+//! manager's own key (`<state-dir>/credential.key`, made at the first start, mode 0600):
+//! `mfc_` + hex(claims JSON) + `.` + hex(MAC), the hex lower case (the one spelling that
+//! verifies). Anything the guest talks to (a service of the platform's) can send it to
+//! `POST /credentials/verify`, and the manager answers whether it is one it made for a
+//! sandbox that still exists (the same name and create time: a sandbox deleted and made again
+//! under its name is another sandbox), and the one of the sandbox's credentials that verifies
+//! now: the sandbox's record keeps the `id` of the latest minted (`POST
+//! /sandboxes/NAME/credential` mints a new one, with an audience and an expiry if asked;
+//! `DELETE` revokes), and an expired one does not verify.
 //!
 //! It is not the sandbox's token (which reaches the manager's API for that sandbox and must
 //! never be inside a guest the sandbox's user does not control): it grants nothing by
-//! itself, only says who. A fork's clones get credentials of their own; they also hold
-//! their source's in their memory, as they hold everything the source had, so a credential
-//! shown by a guest proves it is that sandbox or descends from it.
+//! itself, only says who. A fork's clones get credentials of their own (their file replaced);
+//! they also hold their source's in their memory, as they hold everything the source had, but
+//! that one says it is the source, and stops verifying when the source's is rotated.
 
 use std::path::Path;
 
@@ -36,9 +41,20 @@ const MAX_LEN: usize = 4096;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Claims {
+    /// Its subject: the sandbox it names.
     pub sandbox: String,
     pub acts_for: Option<String>,
     pub created_ms: u64,
+    /// Which of the sandbox's credentials it is: only the latest minted verifies (a
+    /// credential made before ids has none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// Whom it is meant for (the service it is shown to), if it was minted for one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audience: Option<String>,
+    /// When it stops verifying, ms since the epoch; none: while it is the sandbox's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_ms: Option<u64>,
 }
 
 /// The manager's signing key.
@@ -114,13 +130,23 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Lower-case hex only, as [`hex`] writes it: one spelling of each credential verifies (no
+/// upper case, no sign, no whitespace).
 fn unhex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) {
+    fn digit(b: u8) -> Option<u8> {
+        match b {
+            b'0'..=b'9' => Some(b - b'0'),
+            b'a'..=b'f' => Some(b - b'a' + 10),
+            _ => None,
+        }
+    }
+    let bytes = text.as_bytes();
+    if !bytes.len().is_multiple_of(2) {
         return None;
     }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+    bytes
+        .chunks(2)
+        .map(|pair| Some(digit(pair[0])? << 4 | digit(pair[1])?))
         .collect()
 }
 
@@ -137,6 +163,9 @@ mod tests {
             sandbox: "box".into(),
             acts_for: Some("user:alice".into()),
             created_ms: 42,
+            id: Some("mci_1".into()),
+            audience: Some("svc".into()),
+            expires_ms: Some(7),
         };
         let credential = keys.mint(&claims);
         assert_eq!(keys.check(&credential), Ok(claims.clone()));
@@ -155,6 +184,10 @@ mod tests {
             "mfc_zz.00",
             "mfc_00",
             &credential[..credential.len() - 1],
+            &credential.to_uppercase(),
+            &format!("mfc_{}", credential[4..].to_uppercase()),
+            &format!("{credential} "),
+            &credential.replacen("mfc_7b", "mfc_+b", 1),
         ] {
             assert!(keys.check(bad).is_err(), "{bad}");
         }

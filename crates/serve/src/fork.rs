@@ -163,7 +163,7 @@ pub fn fork(
                     };
                     scope.spawn(move || {
                         manager
-                            .create(name, spec)
+                            .create(name, spec, None)
                             .map(|(mut described, token)| {
                                 if let Some(o) = described.as_object_mut() {
                                     o.insert("token".into(), Value::String(token));

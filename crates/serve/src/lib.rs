@@ -15,13 +15,18 @@
 //! | `PUT /sandboxes/NAME/pause`             | either  | suspend to disk now                   |
 //! | `PUT /sandboxes/NAME/resume`            | either  | wake now                              |
 //! | `POST /sandboxes/NAME/fork`             | admin   | N new sandboxes from one snapshot of it (see `fork.rs`) |
-//! | `PUT /sandboxes/NAME/token`             | admin   | a new token (the old one stops working) |
+//! | `PUT /sandboxes/NAME/token` `{"ttl_s"}` | admin   | a new token (the old one stops working; it expires after `ttl_s` if given) |
 //! | `DELETE /sandboxes/NAME/token`          | admin   | revoke its token                      |
+//! | `POST /sandboxes/NAME/credential`       | admin   | a new credential (`{"audience", "ttl_s"}`), the one before stops verifying |
+//! | `DELETE /sandboxes/NAME/credential`     | admin   | revoke its credential                 |
 //! | any `/sandboxes/NAME/vm...`             | either  | passed to its VMM as `/vm...` (woken first; what it would refuse, refused here) |
 //! | `GET /metrics`                          | none    | Prometheus text                       |
 //! | `GET /openapi.json`                     | none    | the API's OpenAPI document ([`OPENAPI`]) |
 //!
-//! "either": the sandbox's own token or the admin token, as `Authorization: Bearer TOKEN`.
+//! "either": the sandbox's own token or the admin token, as `Authorization: Bearer TOKEN`
+//! (in the one spelling it was given in). A token holds at most 16 of the manager's 256
+//! connections, and the tenants 224 in all (the rest are the admin's); a request passed to a
+//! VMM has deadlines, and ends when its client hangs up (see `server.rs` and `routes.rs`).
 //! The admin token is in `<state-dir>/admin.token` (mode 0600, made at the first start); the
 //! socket itself is mode 0600. Everything the manager knows is in the state directory (see
 //! `files.rs` and `records.rs`): `kill -9` of the manager loses nothing, and a new one adopts

@@ -26,13 +26,13 @@ use serde_json::{json, Value};
 
 use crate::budget::Reserved;
 use crate::error::ServeError;
-use crate::files::{check_plain, link_base, link_snapshot, make_dirs, BASE};
+use crate::files::{self, check_plain, link_base, link_snapshot, make_dirs, BASE};
 use crate::manager::Manager;
 use crate::process::{log_tail, pause_and_snapshot, Vmm, STOP_TIMEOUT, VMM_REQUEST_TIMEOUT};
-use crate::records::{valid_name, Record, Spec, State};
+use crate::records::{valid_name, CredentialState, Record, Spec, State};
 use crate::sandbox::{Inner, Launcher, Sandbox};
 use crate::tokens::{hash_token, new_token};
-use crate::util::{lock, now_ms};
+use crate::util::{expires_at, lock, now_ms};
 
 /// Requests passed to one sandbox's VMM at once: a VMM that stalls holds at most these of the
 /// manager's connections.
@@ -54,9 +54,14 @@ impl Drop for Activity<'_> {
 }
 
 impl Manager {
-    /// Make a sandbox and start its VMM; returns its description and its token. Nothing of
-    /// it is left if it fails.
-    pub fn create(&self, name: &str, mut spec: Spec) -> Result<(Value, String), ServeError> {
+    /// Make a sandbox and start its VMM; returns its description and its token (which
+    /// expires after `token_ttl_s`, if given). Nothing of it is left if it fails.
+    pub fn create(
+        &self,
+        name: &str,
+        mut spec: Spec,
+        token_ttl_s: Option<u64>,
+    ) -> Result<(Value, String), ServeError> {
         if !valid_name(name) {
             return Err(ServeError::BadRequest(format!(
                 "{name:?} is not a sandbox name: use 1 to 63 lower-case letters, digits and \
@@ -73,9 +78,9 @@ impl Manager {
             ));
         }
         let dir = self.dir.join("sandboxes").join(name);
-        let sock = dir.join("vm.sock");
-        // The vsock socket beside it is the longest path the VMM binds.
-        let longest = sock.as_os_str().len() + ".vsock_4294967295".len();
+        // The path its VMM binds (see files::socket), and the vsock socket beside it, the
+        // longest path the VMM binds: `<api-sock>.vsock_<port>`.
+        let longest = longest_socket_path(&dir);
         // A valid name, too long for where this manager keeps its sandboxes: a conflict with
         // its --state-dir, not a bad request.
         if longest > mayfly_sys::socket::MAX_SOCKET_PATH {
@@ -109,6 +114,7 @@ impl Manager {
             )?);
         }
         let token = new_token("mfs_")?;
+        let credential_id = new_token("mci_")?;
         let now = now_ms();
         // The name is taken (under the map's lock) before anything is made on disk, and a
         // jailed sandbox gets the lowest uid from the base that no other sandbox has.
@@ -137,6 +143,11 @@ impl Manager {
                 spec,
                 state: State::Starting,
                 token_sha256: Some(hash_token(&token)),
+                token_expires_ms: token_ttl_s.map(|ttl| expires_at(now, ttl)),
+                credential: CredentialState {
+                    id: Some(credential_id),
+                    ..CredentialState::default()
+                },
                 pid: None,
                 pid_start: None,
                 created_ms: now,
@@ -706,8 +717,14 @@ impl Manager {
         Ok(())
     }
 
-    /// A new token for the sandbox (the old one stops working), or none (`revoke`).
-    pub fn set_token(&self, sandbox: &Sandbox, revoke: bool) -> Result<Option<String>, ServeError> {
+    /// A new token for the sandbox (the old one stops working), expiring after `ttl_s` if
+    /// given, or none (`revoke`).
+    pub fn set_token(
+        &self,
+        sandbox: &Sandbox,
+        revoke: bool,
+        ttl_s: Option<u64>,
+    ) -> Result<Option<String>, ServeError> {
         let mut inner = lock(&sandbox.inner);
         let token = if revoke {
             None
@@ -715,6 +732,9 @@ impl Manager {
             Some(new_token("mfs_")?)
         };
         inner.record.token_sha256 = token.as_deref().map(hash_token);
+        inner.record.token_expires_ms = ttl_s
+            .filter(|_| !revoke)
+            .map(|ttl| expires_at(now_ms(), ttl));
         sandbox.save(&inner)?;
         self.event(
             if revoke {
@@ -723,8 +743,74 @@ impl Manager {
                 "token_minted"
             },
             &sandbox.name,
-            json!({}),
+            json!({ "ttl_s": ttl_s }),
         );
         Ok(token)
+    }
+
+    /// A new credential for the sandbox, for `audience` and expiring after `ttl_s` if given:
+    /// the one that verifies from now on (the one before it no longer does), put in its
+    /// guest as at its create when it has an agent (the sandbox is woken for it). Returns the
+    /// credential and whether its guest has it.
+    pub fn rotate_credential(
+        &self,
+        sandbox: &Arc<Sandbox>,
+        audience: Option<String>,
+        ttl_s: Option<u64>,
+    ) -> Result<(String, bool), ServeError> {
+        let record = {
+            let mut inner = lock(&sandbox.inner);
+            inner.record.credential = CredentialState {
+                id: Some(new_token("mci_")?),
+                audience,
+                expires_ms: ttl_s.map(|ttl| expires_at(now_ms(), ttl)),
+                revoked: false,
+            };
+            sandbox.save(&inner)?;
+            inner.record.clone()
+        };
+        self.event(
+            "credential_minted",
+            &sandbox.name,
+            json!({ "ttl_s": ttl_s }),
+        );
+        let (_, credential) = self.credential_for(&record);
+        let delivered = !record.spec.agentless()
+            && self.ensure_running(sandbox, false).is_ok()
+            && self.deliver_credential(sandbox, &record).is_ok();
+        Ok((credential, delivered))
+    }
+
+    /// Revoke the sandbox's credential: none of its credentials verifies until a new one is
+    /// minted.
+    pub fn revoke_credential(&self, sandbox: &Sandbox) -> Result<(), ServeError> {
+        let mut inner = lock(&sandbox.inner);
+        inner.record.credential = CredentialState {
+            revoked: true,
+            ..CredentialState::default()
+        };
+        sandbox.save(&inner)?;
+        drop(inner);
+        self.event("credential_revoked", &sandbox.name, json!({}));
+        Ok(())
+    }
+}
+
+/// The longest socket path a sandbox in `dir` has its VMM bind: its vsock device's socket for
+/// the highest port, beside its control socket ([`files::socket`]).
+fn longest_socket_path(dir: &Path) -> usize {
+    files::socket(dir).as_os_str().len() + ".vsock_4294967295".len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_socket_path_measured_is_the_one_bound() {
+        let dir = Path::new("/s/sandboxes/box");
+        let bound = format!("{}.vsock_4294967295", files::socket(dir).display());
+        assert_eq!(bound, "/s/sandboxes/box/sock/vm.sock.vsock_4294967295");
+        assert_eq!(longest_socket_path(dir), bound.len());
     }
 }

@@ -24,7 +24,7 @@ use crate::records::{Record, State};
 use crate::sandbox::Sandbox;
 use crate::templates::Templates;
 use crate::tokens::{hash_token, new_token, token_matches};
-use crate::util::{io_error, lock, write_atomically};
+use crate::util::{io_error, lock, now_ms, write_atomically};
 
 /// How long a create of a restored sandbox waits to give its credential: its agent answers
 /// within milliseconds of the restore, and a guest that stalls it costs the create this much.
@@ -182,11 +182,14 @@ impl Manager {
     }
 
     /// The credential of the sandbox `record` describes (see [`crate::credential`]).
-    fn credential_for(&self, record: &Record) -> (Claims, String) {
+    pub(crate) fn credential_for(&self, record: &Record) -> (Claims, String) {
         let claims = Claims {
             sandbox: record.name.clone(),
             acts_for: record.spec.acts_for.clone(),
             created_ms: record.created_ms,
+            id: record.credential.id.clone(),
+            audience: record.credential.audience.clone(),
+            expires_ms: record.credential.expires_ms,
         };
         let credential = self.credentials.mint(&claims);
         (claims, credential)
@@ -202,6 +205,36 @@ impl Manager {
         if spec.agentless() {
             return;
         }
+        let put = self.credential_put(sandbox, record);
+        let events = Arc::clone(&self.events);
+        let name = sandbox.name.clone();
+        let report = move |result: Result<(), String>| match result {
+            Ok(()) => events.write("credential_given", &name, json!({})),
+            Err(e) => events.write("credential_failed", &name, json!({ "error": e })),
+        };
+        if spec.snapshot.is_some() {
+            report(put(CREDENTIAL_RESTORE_WAIT));
+            return;
+        }
+        let spawned = std::thread::Builder::new()
+            .name("serve-credential".into())
+            .spawn(move || report(put(CREDENTIAL_BOOT_WAIT)));
+        if let Err(e) = spawned {
+            self.event(
+                "credential_failed",
+                &sandbox.name,
+                json!({ "error": format!("cannot start its thread: {e}") }),
+            );
+        }
+    }
+
+    /// What puts the credential `record` says in its sandbox's guest (through its agent,
+    /// tried until the wait it is given is over).
+    fn credential_put(
+        &self,
+        sandbox: &Arc<Sandbox>,
+        record: &Record,
+    ) -> impl FnOnce(Duration) -> Result<(), String> + Send + 'static {
         let (claims, credential) = self.credential_for(record);
         let mut file = serde_json::to_value(&claims).unwrap_or_default();
         file["credential"] = Value::String(credential);
@@ -215,7 +248,7 @@ impl Manager {
         // Its own sandbox, not its name: a sandbox deleted meanwhile (and perhaps made again
         // under the name, at the same socket path) gets nothing more from this one.
         let own = Arc::clone(sandbox);
-        let put = move |wait: Duration| -> Result<(), String> {
+        move |wait: Duration| -> Result<(), String> {
             let deadline = Instant::now() + wait;
             loop {
                 if lock(&own.view).state == State::Deleting {
@@ -242,58 +275,81 @@ impl Manager {
                 }
                 std::thread::sleep(Duration::from_millis(200));
             }
-        };
-        let events = Arc::clone(&self.events);
-        let name = sandbox.name.clone();
-        let report = move |result: Result<(), String>| match result {
-            Ok(()) => events.write("credential_given", &name, json!({})),
-            Err(e) => events.write("credential_failed", &name, json!({ "error": e })),
-        };
-        if spec.snapshot.is_some() {
-            report(put(CREDENTIAL_RESTORE_WAIT));
-            return;
-        }
-        let spawned = std::thread::Builder::new()
-            .name("serve-credential".into())
-            .spawn(move || report(put(CREDENTIAL_BOOT_WAIT)));
-        if let Err(e) = spawned {
-            self.event(
-                "credential_failed",
-                &sandbox.name,
-                json!({ "error": format!("cannot start its thread: {e}") }),
-            );
         }
     }
 
-    /// Whether `credential` is one this manager made for a sandbox that still exists.
-    pub fn verify_credential(&self, credential: &str) -> Value {
+    /// Put the sandbox's current credential in its (running) guest now.
+    pub(crate) fn deliver_credential(
+        &self,
+        sandbox: &Arc<Sandbox>,
+        record: &Record,
+    ) -> Result<(), String> {
+        let result = (self.credential_put(sandbox, record))(CREDENTIAL_RESTORE_WAIT);
+        match &result {
+            Ok(()) => self.event("credential_given", &sandbox.name, json!({})),
+            Err(e) => self.event("credential_failed", &sandbox.name, json!({ "error": e })),
+        }
+        result
+    }
+
+    /// Whether `credential` is one this manager made for a sandbox that still exists, and
+    /// the one of its credentials that verifies now (the latest minted, not revoked, not
+    /// expired), for `audience` when one is asked for.
+    pub fn verify_credential(&self, credential: &str, audience: Option<&str>) -> Value {
         let claims = match self.credentials.check(credential) {
             Ok(claims) => claims,
             Err(why) => return json!({ "valid": false, "error": why }),
         };
-        let current = self.get(&claims.sandbox).map(|s| {
-            let view = lock(&s.view);
-            (view.created_ms, view.state)
-        });
-        match current {
-            Some((created, State::Deleting)) if created == claims.created_ms => json!({
-                "valid": false,
-                "error": format!("sandbox {} is being deleted", claims.sandbox),
-            }),
-            Some((created, _)) if created == claims.created_ms => json!({
-                "valid": true,
-                "sandbox": claims.sandbox,
-                "acts_for": claims.acts_for,
-                "created_ms": claims.created_ms,
-            }),
-            Some(_) => json!({
-                "valid": false,
-                "error": format!("sandbox {} was deleted and made again since: this credential was its predecessor's", claims.sandbox),
-            }),
-            None => json!({
-                "valid": false,
-                "error": format!("sandbox {} no longer exists", claims.sandbox),
-            }),
+        let invalid = |why: String| json!({ "valid": false, "error": why });
+        let name = &claims.sandbox;
+        let Some(sandbox) = self.get(name) else {
+            return invalid(format!("sandbox {name} no longer exists"));
+        };
+        let (created, state, current) = {
+            let view = lock(&sandbox.view);
+            (view.created_ms, view.state, view.credential.clone())
+        };
+        if created != claims.created_ms {
+            return invalid(format!(
+                "sandbox {name} was deleted and made again since: this credential was its \
+                 predecessor's"
+            ));
         }
+        if state == State::Deleting {
+            return invalid(format!("sandbox {name} is being deleted"));
+        }
+        if current.revoked {
+            return invalid(format!(
+                "the credentials of sandbox {name} were revoked: the admin mints a new one \
+                 with POST /sandboxes/{name}/credential"
+            ));
+        }
+        if claims.id != current.id {
+            return invalid(format!(
+                "this credential of sandbox {name} was replaced by a newer one (a rotation, or \
+                 the sandbox is a fork's clone with a credential of its own)"
+            ));
+        }
+        if claims.expires_ms.is_some_and(|at| now_ms() >= at) {
+            return invalid(format!(
+                "this credential of sandbox {name} expired: the admin mints a new one with \
+                 POST /sandboxes/{name}/credential"
+            ));
+        }
+        if let Some(wanted) = audience {
+            if claims.audience.as_deref() != Some(wanted) {
+                return invalid(format!(
+                    "this credential of sandbox {name} is not meant for {wanted:?}"
+                ));
+            }
+        }
+        json!({
+            "valid": true,
+            "sandbox": claims.sandbox,
+            "acts_for": claims.acts_for,
+            "created_ms": claims.created_ms,
+            "audience": claims.audience,
+            "expires_ms": claims.expires_ms,
+        })
     }
 }

@@ -22,6 +22,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("PUT", "/sandboxes/{name}/resume"),
     ("PUT", "/sandboxes/{name}/token"),
     ("DELETE", "/sandboxes/{name}/token"),
+    ("POST", "/sandboxes/{name}/credential"),
+    ("DELETE", "/sandboxes/{name}/credential"),
     ("POST", "/sandboxes/{name}/fork"),
     ("POST", "/credentials/verify"),
 ];

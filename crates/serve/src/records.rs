@@ -207,6 +207,24 @@ impl State {
     }
 }
 
+/// The one credential of a sandbox that verifies: the id its claims must carry, for whom it
+/// was made, until when, or that it was revoked. A record from before credentials had ids
+/// has none, and its guest's credential (with no id) verifies as before.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CredentialState {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audience: Option<String>,
+    /// When it stops verifying, ms since the epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_ms: Option<u64>,
+    /// Revoked: no credential of the sandbox verifies until a new one is minted.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub revoked: bool,
+}
+
 /// What is kept of a sandbox on disk.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -216,6 +234,12 @@ pub struct Record {
     pub state: State,
     /// SHA-256 of its token; none once revoked.
     pub token_sha256: Option<String>,
+    /// When its token stops working (ms since the epoch); none: when it is revoked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_expires_ms: Option<u64>,
+    /// Which credential of its guest's verifies now (see [`crate::credential`]).
+    #[serde(default)]
+    pub credential: CredentialState,
     /// Its VMM, while it runs: pid and the process's start time (field 22 of
     /// /proc/PID/stat), so that a pid used again by another process is never taken for it.
     pub pid: Option<u32>,

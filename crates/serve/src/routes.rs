@@ -53,12 +53,66 @@ fn vm_path(path: &str) -> Option<(&str, String)> {
     (tail == "vm" || tail.starts_with("vm/")).then(|| (name, format!("/{tail}")))
 }
 
-fn bearer(request: &Request) -> Option<&str> {
+/// The request's bearer token, exactly as sent after `Bearer ` (nothing trimmed: a token is
+/// accepted in one spelling only).
+pub fn bearer(request: &Request) -> Option<&str> {
     request
         .authorization
         .as_deref()
         .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
+}
+
+/// A request's body as the JSON object `T` reads (an empty body as `{}` when `empty_ok`):
+/// anything but an object (`null`, an array, a number) is a 400, as is what `T` refuses.
+fn object_body<T: serde::de::DeserializeOwned>(
+    request: &Request,
+    empty_ok: bool,
+    example: &str,
+) -> Result<T, Refused> {
+    let bad = |e: String| Refused::new(400, format!("{e}: send a JSON object such as {example}"));
+    let mut body: Value = if empty_ok && request.body.iter().all(u8::is_ascii_whitespace) {
+        json!({})
+    } else {
+        serde_json::from_slice(&request.body)
+            .map_err(|e| bad(format!("the body is not JSON ({e})")))?
+    };
+    if !body.is_object() {
+        return Err(bad("the body is not a JSON object".into()));
+    }
+    mayfly_api::body::whole_numbers_as_integers(&mut body);
+    serde_json::from_value(body).map_err(|e| bad(e.to_string()))
+}
+
+/// The body of `PUT /sandboxes/NAME/token` (may be empty).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenBody {
+    #[serde(default)]
+    ttl_s: Option<u64>,
+}
+
+/// The body of `POST /sandboxes/NAME/credential` (may be empty).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CredentialBody {
+    #[serde(default)]
+    audience: Option<String>,
+    #[serde(default)]
+    ttl_s: Option<u64>,
+}
+
+/// The longest audience a credential may name.
+const MAX_AUDIENCE: usize = 256;
+
+/// A lifetime in seconds: 1 s to ten years.
+fn check_ttl(ttl_s: Option<u64>, what: &str) -> Result<(), Refused> {
+    match ttl_s {
+        Some(ttl) if ttl == 0 || ttl > 10 * 365 * 86_400 => Err(Refused::new(
+            400,
+            format!("\"{what}\" must be 1 to 315360000 seconds (leave it out for no expiry)"),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// A refusal: its status, its message (the body `{"error": message}`), and for a 405 the
@@ -68,6 +122,8 @@ pub struct Refused {
     pub status: u16,
     pub message: String,
     pub allow: Option<String>,
+    /// Seconds to wait before trying again (a 429's or 503's `Retry-After`).
+    pub retry_after: Option<u32>,
 }
 
 impl Refused {
@@ -76,6 +132,15 @@ impl Refused {
             status,
             message: message.into(),
             allow: None,
+            retry_after: None,
+        }
+    }
+
+    /// A refusal to be tried again in `seconds` (`Retry-After`).
+    pub fn later(status: u16, seconds: u32, message: impl Into<String>) -> Refused {
+        Refused {
+            retry_after: Some(seconds),
+            ..Refused::new(status, message)
         }
     }
 
@@ -107,13 +172,16 @@ impl From<ServeError> for Refused {
     }
 }
 
-/// Answer a refusal: its status, `{"error": message}`, and `Allow` for a 405.
+/// Answer a refusal: its status, `{"error": message}`, `Allow` for a 405 and `Retry-After`
+/// when it says when to try again.
 pub fn refusal_reply(stream: &UnixStream, refused: &Refused) {
+    let retry = refused.retry_after.map(|s| s.to_string());
     let headers: Vec<(&str, &str)> = refused
         .allow
         .as_deref()
         .map(|methods| ("Allow", methods))
         .into_iter()
+        .chain(retry.as_deref().map(|s| ("Retry-After", s)))
         .collect();
     let body = json!({ "error": refused.message });
     let _ = (&mut &*stream).write_all(&http::encode_response(
@@ -128,6 +196,14 @@ const ADMIN_VM_ROUTES: [&str; 3] = ["/vm/snapshot", "/vm/net/policy", "/vm/net/e
 
 /// How long the manager waits for a client to take the answer it streams.
 const CLIENT_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The one 403 a sandbox's token gets for any sandbox not its own, known or not: a name is
+/// not given away by a different answer.
+const NOT_YOURS: &str = "the token is not this sandbox's (or was revoked or expired): use the \
+    sandbox's own token or the admin token";
+
+/// The 403 of an admin's route (the same for every name).
+const ADMIN_ONLY: &str = "this request needs the admin token (<state-dir>/admin.token)";
 
 const NO_TOKEN: &str = "this request needs a token: send Authorization: Bearer TOKEN (the \
     sandbox's, from its create, or the admin token in <state-dir>/admin.token)";
@@ -146,18 +222,11 @@ fn check_token(
         return Ok(true);
     }
     if admin_only {
-        return Err(Refused::new(
-            403,
-            "this request needs the admin token (<state-dir>/admin.token)",
-        ));
+        return Err(Refused::new(403, ADMIN_ONLY));
     }
     match sandbox {
         Some(sandbox) if sandbox.token_is(token) => Ok(false),
-        _ => Err(Refused::new(
-            403,
-            "the token is not this sandbox's (or was revoked): use the sandbox's own token or \
-             the admin token",
-        )),
+        _ => Err(Refused::new(403, NOT_YOURS)),
     }
 }
 
@@ -168,6 +237,7 @@ fn sandbox_route_methods(tail: &str) -> Option<&'static str> {
         "" => Some("GET, DELETE"),
         "pause" | "resume" => Some("PUT"),
         "token" => Some("PUT, DELETE"),
+        "credential" => Some("POST, DELETE"),
         "fork" => Some("POST"),
         _ => None,
     }
@@ -200,17 +270,19 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
         #[serde(deny_unknown_fields)]
         struct Verify {
             credential: String,
+            #[serde(default)]
+            audience: Option<String>,
         }
-        let body: Verify = serde_json::from_slice(&request.body).map_err(|e| {
-            Refused::new(
-                400,
-                format!(
-                    "bad body ({e}): send {{\"credential\": \"mfc_...\"}} (the guest's {})",
-                    GUEST_PATH
-                ),
-            )
-        })?;
-        reply(stream, 200, &manager.verify_credential(&body.credential));
+        let example = format!(
+            "{{\"credential\": \"mfc_...\"}} (the guest's {GUEST_PATH}), and \"audience\" to \
+             check it was minted for that one"
+        );
+        let body: Verify = object_body(request, false, &example)?;
+        reply(
+            stream,
+            200,
+            &manager.verify_credential(&body.credential, body.audience.as_deref()),
+        );
         return Ok(());
     }
     if path == "/sandboxes" {
@@ -252,21 +324,21 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
                 .unwrap_or_else(|| Refused::new(405, format!("{method} {vm} is not served"))));
         }
     }
+    let admin_only = matches!(tail, "token" | "fork" | "credential");
     let Some(sandbox) = manager.get(name) else {
         // The token is checked first only where it can be: an unknown name says so to the
-        // admin, and gets the same 403 as a known one otherwise (names are not given away).
+        // admin, and gets the very 403 another tenant's sandbox gets otherwise (names are not
+        // given away).
         if !manager.is_admin(token) {
-            return Err(Refused::new(
-                403,
-                "the token is not this sandbox's (or was revoked)",
-            ));
+            return Err(check_token(manager, request, None, admin_only)
+                .err()
+                .unwrap_or_else(|| Refused::new(403, NOT_YOURS)));
         }
         return Err(Refused::new(
             404,
             format!("no sandbox named {name:?}: GET /sandboxes lists them"),
         ));
     };
-    let admin_only = tail == "token" || tail == "fork";
     let admin = check_token(manager, request, Some(&sandbox), admin_only)?;
     match (method, tail) {
         ("GET", "") => reply(stream, 200, &manager.describe(&sandbox)),
@@ -283,33 +355,63 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
             reply(stream, 200, &manager.describe(&sandbox));
         }
         ("PUT", "token") => {
-            let token = manager.set_token(&sandbox, false)?;
-            reply(stream, 200, &json!({ "name": name, "token": token }));
+            let body: TokenBody = object_body(request, true, r#"{"ttl_s": 3600} or nothing"#)?;
+            check_ttl(body.ttl_s, "ttl_s")?;
+            let token = manager.set_token(&sandbox, false, body.ttl_s)?;
+            reply(
+                stream,
+                200,
+                &json!({ "name": name, "token": token, "ttl_s": body.ttl_s }),
+            );
         }
         ("DELETE", "token") => {
-            manager.set_token(&sandbox, true)?;
+            manager.set_token(&sandbox, true, None)?;
             reply(stream, 200, &json!({ "name": name, "token": null }));
         }
+        ("POST", "credential") => {
+            let body: CredentialBody = object_body(
+                request,
+                true,
+                r#"{"audience": "my-service", "ttl_s": 3600} (both optional)"#,
+            )?;
+            check_ttl(body.ttl_s, "ttl_s")?;
+            if body
+                .audience
+                .as_deref()
+                .is_some_and(|a| a.is_empty() || a.len() > MAX_AUDIENCE)
+            {
+                return Err(Refused::new(
+                    400,
+                    format!(
+                        "\"audience\" must be 1 to {MAX_AUDIENCE} bytes (leave it out for none)"
+                    ),
+                ));
+            }
+            let (credential, delivered) =
+                manager.rotate_credential(&sandbox, body.audience, body.ttl_s)?;
+            let claims = manager.verify_credential(&credential, None);
+            reply(
+                stream,
+                200,
+                &json!({
+                    "name": name,
+                    "credential": credential,
+                    "audience": claims["audience"],
+                    "expires_ms": claims["expires_ms"],
+                    "delivered": delivered,
+                }),
+            );
+        }
+        ("DELETE", "credential") => {
+            manager.revoke_credential(&sandbox)?;
+            reply(stream, 200, &json!({ "name": name, "credential": null }));
+        }
         ("POST", "fork") => {
-            let mut body: Value = serde_json::from_slice(&request.body).map_err(|e| {
-                Refused::new(
-                    400,
-                    format!(
-                        "{e}: send {{\"count\": N}} or {{\"names\": [...]}}, and \
-                         \"idle_timeout_s\" if wanted"
-                    ),
-                )
-            })?;
-            mayfly_api::body::whole_numbers_as_integers(&mut body);
-            let body: ForkRequest = serde_json::from_value(body).map_err(|e| {
-                Refused::new(
-                    400,
-                    format!(
-                        "{e}: send {{\"count\": N}} or {{\"names\": [...]}}, and \
-                         \"idle_timeout_s\" if wanted"
-                    ),
-                )
-            })?;
+            let body: ForkRequest = object_body(
+                request,
+                false,
+                r#"{"count": N} or {"names": [...]}, and "idle_timeout_s" if wanted"#,
+            )?;
             let forked = fork(manager, &sandbox, &body)?;
             reply(stream, 201, &forked);
         }
@@ -357,16 +459,27 @@ fn create(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<(
             ))
         }
     };
+    let token_ttl_s = match fields.remove("token_ttl_s") {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(n)) if n.as_u64().is_some() => n.as_u64(),
+        Some(_) => {
+            return Err(Refused::new(
+                400,
+                "\"token_ttl_s\" is the token's lifetime in seconds (leave it out for none)",
+            ))
+        }
+    };
+    check_ttl(token_ttl_s, "token_ttl_s")?;
     let spec: Spec = serde_json::from_value(Value::Object(fields)).map_err(|e| {
         Refused::new(
             400,
             format!(
                 "{e}: a sandbox takes name, snapshot, template, kernel, initrd, cmdline, mem_mib, \
-                 vcpus, rootfs, net, idle_timeout_s"
+                 vcpus, rootfs, net, idle_timeout_s, token_ttl_s"
             ),
         )
     })?;
-    let (mut described, token) = manager.create(&name, spec)?;
+    let (mut described, token) = manager.create(&name, spec, token_ttl_s)?;
     if let Some(object) = described.as_object_mut() {
         object.insert("token".into(), Value::String(token));
     }
@@ -500,11 +613,12 @@ fn pass_to_vmm(
             Ok(()) => Refused::new(502, what),
         }
     };
-    let vmm = UnixStream::connect(&sock).map_err(|e| {
+    let vmm = mayfly_sys::socket::connect(&sock, VMM_CONNECT_TIMEOUT).map_err(|e| {
         unreachable(format!(
-            "cannot reach the VMM of {} at {}: {e}",
+            "cannot reach the VMM of {} at {} within {} s: {e}",
             sandbox.name,
-            sock.display()
+            sock.display(),
+            VMM_CONNECT_TIMEOUT.as_secs()
         ))
     })?;
     let body_len = request
@@ -519,6 +633,7 @@ fn pass_to_vmm(
         "{} {target} HTTP/1.1\r\nHost: mayfly\r\nContent-Length: {body_len}\r\nConnection: close\r\n\r\n",
         request.method
     );
+    let _ = vmm.set_write_timeout(Some(VMM_SEND_TIMEOUT));
     let sent = (&mut &vmm)
         .write_all(head.as_bytes())
         .and_then(|()| (&mut &vmm).write_all(&request.body));
@@ -538,6 +653,7 @@ fn pass_to_vmm(
         .map(|len| len.saturating_sub(request.body.len() as u64))
         .filter(|left| *left > 0);
     let _ = client.set_read_timeout(Some(REQUEST_IDLE));
+    let bounds = Bounds::of(request, vm);
     let to_vmm = &vmm;
     std::thread::scope(|scope| {
         if let Some(left) = upload {
@@ -546,30 +662,293 @@ fn pass_to_vmm(
                 let _ = std::io::copy(&mut from, &mut &*to_vmm);
             });
         }
+        // A client that stops reading is cut after a while: it holds a connection and keeps
+        // the sandbox from going idle.
+        let _ = client.set_write_timeout(Some(CLIENT_WRITE_TIMEOUT));
+        let relayed = relay(&vmm, client, &bounds);
         // The first bytes say the status: an exec answered with an error counts as failed.
-        let mut first = [0u8; 16];
-        let n = (&mut &vmm).read(&mut first).unwrap_or(0);
-        if exec && (n < 12 || !first[..n].starts_with(b"HTTP/1.1 2")) {
+        if exec && !relayed.first.starts_with(b"HTTP/1.1 2") {
             manager.metrics.execs_failed.fetch_add(1, Ordering::Relaxed);
         }
-        if n == 0 {
-            refusal_reply(
+        // Whatever happened, the VMM's connection ends here: a call whose client left, or
+        // that passed its deadline, ends in the VMM too (it sees the hang-up).
+        let _ = vmm.shutdown(std::net::Shutdown::Both);
+        match relayed.end {
+            End::Done | End::ClientGone | End::ClientStalled => {}
+            End::Closed if relayed.first.is_empty() => refusal_reply(
                 client,
                 &unreachable(format!(
                     "the VMM of {} closed the connection without an answer",
                     sandbox.name
                 )),
-            );
-            return;
+            ),
+            End::Closed => {}
+            End::Timeout(limit) if relayed.first.is_empty() => refusal_reply(
+                client,
+                &Refused::new(
+                    504,
+                    format!(
+                        "the VMM of {name} did not answer {method} {vm} within {secs} s: it is \
+                         stalled or busy (a snapshot, a wake); the call was ended. Retry later, \
+                         and look at GET /sandboxes/{name}",
+                        name = sandbox.name,
+                        method = request.method,
+                        secs = limit.as_secs()
+                    ),
+                ),
+            ),
+            // Part of the answer is out: the client sees it cut short.
+            End::Timeout(_) => {}
         }
-        // A client that stops reading is cut after a while: it holds a connection and keeps
-        // the sandbox from going idle.
-        let _ = client.set_write_timeout(Some(CLIENT_WRITE_TIMEOUT));
-        if (&mut &*client).write_all(&first[..n]).is_ok() {
-            let _ = std::io::copy(&mut &vmm, &mut &*client);
-        }
-        // Whatever the client still sends is not waited for.
-        let _ = vmm.shutdown(std::net::Shutdown::Both);
     });
     Ok(())
+}
+
+/// How long the manager waits for a sandbox's VMM to take a connection.
+const VMM_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long it waits for the VMM to take the request it sends.
+const VMM_SEND_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a VMM may take to answer a read of its state (`GET /vm...` outside the guest).
+const VMM_READ_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long it may take to answer an action (pause, snapshot, restore, network).
+const VMM_ACTION_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a VMM may stay silent in the middle of an answer: the VMM's own limit on its
+/// guest's silence (30 s) with room to spare.
+const VMM_IDLE_TIMEOUT: Duration = Duration::from_secs(45);
+/// What the manager adds to a guest call's own deadline (the VMM's, which answers first).
+const VMM_MARGIN: Duration = Duration::from_secs(15);
+/// The VMM's deadlines for calls into the guest (crates/vmm/src/guest/watch.rs): what the
+/// manager's own deadlines are set above.
+const GUEST_CALL_TIMEOUT: Duration = Duration::from_secs(60);
+const GUEST_MAX_CALL_TIMEOUT: Duration = Duration::from_secs(600);
+const EXEC_START_TIMEOUT: Duration = Duration::from_secs(30);
+const EXEC_GRACE: Duration = Duration::from_secs(10);
+/// The longest a call into the guest other than an exec may take in all: a file's transfer,
+/// which the VMM bounds only by the guest's silence, so that a guest sending a byte now and
+/// then cannot hold a connection for ever.
+const GUEST_TRANSFER_LIMIT: Duration = Duration::from_secs(3600);
+
+/// The deadlines of one call passed to a VMM: for its first bytes (from the call's start),
+/// between bytes after them, and for the whole call; None: not bounded (an exec without a
+/// `timeout_ms` may run and stay silent as long as it likes; its client's hang-up, and the
+/// caps on connections, bound it).
+#[derive(Debug, PartialEq)]
+struct Bounds {
+    head: Option<Duration>,
+    idle: Option<Duration>,
+    whole: Option<Duration>,
+}
+
+impl Bounds {
+    fn of(request: &Request, vm: &str) -> Bounds {
+        if vm == "/vm/exec" {
+            // The VMM ends an exec at its timeout_ms plus its grace, once started.
+            let body = serde_json::from_slice::<Value>(&request.body).unwrap_or_default();
+            let whole = body["timeout_ms"].as_u64().map(|ms| {
+                Duration::from_millis(ms)
+                    .saturating_add(EXEC_START_TIMEOUT + EXEC_GRACE + VMM_MARGIN)
+            });
+            // A streamed exec's answer starts once the agent is reached (its first bytes
+            // come before the command's); a collected one's only at the end.
+            let head = if body["stream"] == Value::Bool(true) {
+                let start = EXEC_START_TIMEOUT + VMM_MARGIN;
+                Some(whole.map_or(start, |w| w.min(start)))
+            } else {
+                whole
+            };
+            return Bounds {
+                head,
+                idle: None,
+                whole,
+            };
+        }
+        if mayfly_api::guest::serves(vm) {
+            let call = request
+                .query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix("timeout_ms="))
+                .and_then(|ms| ms.parse::<u64>().ok())
+                .map_or(GUEST_CALL_TIMEOUT, Duration::from_millis)
+                .min(GUEST_MAX_CALL_TIMEOUT);
+            return Bounds {
+                head: Some(call + VMM_MARGIN),
+                idle: Some(VMM_IDLE_TIMEOUT),
+                whole: Some(GUEST_TRANSFER_LIMIT),
+            };
+        }
+        let head = if request.method == "GET" {
+            VMM_READ_TIMEOUT
+        } else {
+            VMM_ACTION_TIMEOUT
+        };
+        Bounds {
+            head: Some(head),
+            idle: Some(VMM_IDLE_TIMEOUT),
+            whole: Some(VMM_ACTION_TIMEOUT + VMM_MARGIN),
+        }
+    }
+}
+
+/// How a relay ended.
+#[derive(Debug, PartialEq)]
+enum End {
+    /// The VMM answered and closed.
+    Done,
+    /// The VMM closed (or failed) before it said anything.
+    Closed,
+    /// The client hung up.
+    ClientGone,
+    /// The client did not take the answer in time.
+    ClientStalled,
+    /// A deadline passed (the limit that did).
+    Timeout(Duration),
+}
+
+struct Relayed {
+    /// The answer's first bytes (up to 16), empty if none came.
+    first: Vec<u8>,
+    end: End,
+}
+
+/// Copy the VMM's answer to the client as it comes, within `bounds`, watching the client:
+/// when it hangs up, the relay ends at once.
+fn relay(vmm: &UnixStream, client: &UnixStream, bounds: &Bounds) -> Relayed {
+    use nix::poll::{poll, PollFd, PollFlags};
+    let start = std::time::Instant::now();
+    let mut first = Vec::new();
+    let mut last = start;
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        // The nearest deadline, and the limit it stands for.
+        let whole = bounds.whole.map(|d| (start + d, d));
+        let step = if first.is_empty() {
+            bounds.head.map(|d| (start + d, d))
+        } else {
+            bounds.idle.map(|d| (last + d, d))
+        };
+        let next = match (whole, step) {
+            (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+            (a, b) => a.or(b),
+        };
+        let wait_ms = next.map_or(-1, |(at, _)| {
+            let left = at.saturating_duration_since(std::time::Instant::now());
+            i32::try_from(left.as_millis().max(1)).unwrap_or(i32::MAX)
+        });
+        // The client's end is watched for its hang-up only (POLLHUP is always reported): a
+        // client that only shut its sending side still gets its answer.
+        let mut fds = [
+            PollFd::new(vmm, PollFlags::POLLIN),
+            PollFd::new(client, PollFlags::empty()),
+        ];
+        match poll(&mut fds, wait_ms) {
+            Ok(0) => {
+                if let Some((at, limit)) = next {
+                    if std::time::Instant::now() >= at {
+                        return Relayed {
+                            first,
+                            end: End::Timeout(limit),
+                        };
+                    }
+                }
+                continue;
+            }
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(_) => {
+                return Relayed {
+                    first,
+                    end: End::Closed,
+                }
+            }
+        }
+        let gone = PollFlags::POLLHUP | PollFlags::POLLERR;
+        if fds[1].revents().is_some_and(|r| r.intersects(gone)) {
+            return Relayed {
+                first,
+                end: End::ClientGone,
+            };
+        }
+        if fds[0].revents().is_none_or(|r| r.is_empty()) {
+            continue;
+        }
+        let n = match (&mut &*vmm).read(&mut buf) {
+            Ok(0) | Err(_) => {
+                let end = if first.is_empty() {
+                    End::Closed
+                } else {
+                    End::Done
+                };
+                return Relayed { first, end };
+            }
+            Ok(n) => n,
+        };
+        if first.is_empty() {
+            first = buf[..n.min(16)].to_vec();
+        }
+        last = std::time::Instant::now();
+        if (&mut &*client).write_all(&buf[..n]).is_err() {
+            return Relayed {
+                first,
+                end: End::ClientStalled,
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(method: &str, query: &str, body: &str) -> Request {
+        Request {
+            method: method.into(),
+            path: String::new(),
+            query: query.into(),
+            body: body.as_bytes().to_vec(),
+            streamed_body_len: None,
+            authorization: None,
+        }
+    }
+
+    #[test]
+    fn every_call_passed_to_a_vmm_has_deadlines_but_an_exec_without_its_own() {
+        let secs = Duration::from_secs;
+        let read = Bounds::of(&request("GET", "", ""), "/vm");
+        assert_eq!(read.head, Some(secs(15)));
+        assert_eq!(read.idle, Some(secs(45)));
+        assert!(read.whole.is_some());
+        assert_eq!(
+            Bounds::of(&request("PUT", "", ""), "/vm/pause").head,
+            Some(secs(120))
+        );
+        // An exec: its timeout_ms, its start and the agent's grace, and a margin.
+        let exec = Bounds::of(
+            &request("POST", "", r#"{"argv": ["x"], "timeout_ms": 5000}"#),
+            "/vm/exec",
+        );
+        assert_eq!(
+            (exec.head, exec.idle, exec.whole),
+            (Some(secs(60)), None, Some(secs(60)))
+        );
+        let streamed = Bounds::of(
+            &request(
+                "POST",
+                "",
+                r#"{"argv": ["x"], "timeout_ms": 500000, "stream": true}"#,
+            ),
+            "/vm/exec",
+        );
+        assert_eq!(streamed.head, Some(secs(45)));
+        assert_eq!(streamed.whole, Some(secs(555)));
+        let endless = Bounds::of(&request("POST", "", r#"{"argv": ["x"]}"#), "/vm/exec");
+        assert_eq!((endless.head, endless.whole), (None, None));
+        // A guest call: its own deadline (or the VMM's default) and a margin.
+        let stat = Bounds::of(
+            &request("GET", "path=/x&timeout_ms=2000", ""),
+            "/vm/files/stat",
+        );
+        assert_eq!(stat.head, Some(secs(17)));
+        let list = Bounds::of(&request("GET", "path=/x", ""), "/vm/files/list");
+        assert_eq!(list.head, Some(secs(75)));
+    }
 }

@@ -15,7 +15,7 @@ use crate::error::ServeError;
 use crate::files::{self, check_plain, BASE};
 use crate::process::{self, Launch, Start, Vmm};
 use crate::records::{write_record, Record, Spec, State, DEFAULT_MEM_MIB};
-use crate::tokens::token_matches;
+use crate::tokens::{canonical, token_matches};
 use crate::util::{lock, now_ms};
 
 /// What its lock guards: the record being changed, and its VMM while it runs.
@@ -73,6 +73,8 @@ impl Sandbox {
             spec: Spec::default(),
             state: State::Starting,
             token_sha256: None,
+            token_expires_ms: None,
+            credential: Default::default(),
             pid: None,
             pid_start: None,
             created_ms: now_ms(),
@@ -128,12 +130,17 @@ impl Sandbox {
         lock(&self.view).jailed
     }
 
-    /// Whether `token` is this sandbox's (and it has not been revoked).
+    /// Whether `token` is this sandbox's, in the one spelling it was given in, and it has
+    /// neither been revoked nor expired.
     pub fn token_is(&self, token: &str) -> bool {
-        lock(&self.view)
+        let view = lock(&self.view);
+        let live = view.token_expires_ms.is_none_or(|at| now_ms() < at);
+        // Both checks always run: the time taken says nothing about which one failed.
+        let matches = view
             .token_sha256
             .as_deref()
-            .is_some_and(|hash| token_matches(hash, token))
+            .is_some_and(|hash| token_matches(hash, token));
+        canonical("mfs_", token) & matches & live
     }
 
     /// What `GET /sandboxes/NAME` answers, at `now` (the manager's clock, ms).
@@ -153,7 +160,17 @@ impl Sandbox {
             "suspended_ms": r.suspended_ms,
             "wakes": r.wakes,
             "suspends": r.suspends,
-            "token": if r.token_sha256.is_some() { "set" } else { "revoked" },
+            "token": match (&r.token_sha256, r.token_expires_ms) {
+                (None, _) => "revoked",
+                (Some(_), Some(at)) if now_ms() >= at => "expired",
+                (Some(_), _) => "set",
+            },
+            "token_expires_ms": r.token_expires_ms,
+            "credential": {
+                "revoked": r.credential.revoked,
+                "audience": r.credential.audience,
+                "expires_ms": r.credential.expires_ms,
+            },
             "died": r.died,
             "jailed": r.jailed,
             "uid": r.uid,

@@ -2,6 +2,7 @@
 //! connection served on a thread of its own (up to [`MAX_CONNECTIONS`] at once), the idle
 //! watch started beside it, and everything left as it is when the manager is told to stop.
 
+use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,10 +16,20 @@ use mayfly_api::http::{self, Refusal};
 use crate::config::ServeConfig;
 use crate::error::ServeError;
 use crate::manager::Manager;
-use crate::routes::{error_reply, refusal_reply, reply, route, streamed, REQUEST_IDLE};
+use crate::routes::{bearer, error_reply, refusal_reply, route, streamed, Refused, REQUEST_IDLE};
+use crate::tokens::hash_token;
+use crate::util::lock;
 
 /// Connections served at once; more get 503 at once.
 const MAX_CONNECTIONS: usize = 256;
+/// Of those, how many only the admin's requests may hold: whatever the tenants do, the admin
+/// (a list, a delete) always gets a connection. The manager's own calls to its VMMs (pause,
+/// snapshot, shutdown, the idle suspend) take none of these: they go to the VMM's socket
+/// directly, where the VMM keeps room for them beside its guest calls.
+const ADMIN_LANE: usize = 32;
+/// How many connections the requests of one token (one sandbox's), or of none, may hold at
+/// once: past it, 429 with `Retry-After`.
+const PER_TENANT: usize = 16;
 /// How long a client may take to send its request, in all.
 const REQUEST_TOTAL: Duration = Duration::from_secs(30);
 /// How often the idle watch looks at the sandboxes.
@@ -66,6 +77,7 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
             })?;
     }
     let active = Arc::new(AtomicUsize::new(0));
+    let lanes = Arc::new(Lanes::default());
     use nix::poll::{poll, PollFd, PollFlags};
     loop {
         let mut fds = [
@@ -90,19 +102,23 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
         };
         if active.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
             active.fetch_sub(1, Ordering::SeqCst);
-            reply(
+            refusal_reply(
                 &stream,
-                503,
-                &json!({ "error": format!("the manager serves {MAX_CONNECTIONS} connections at once: try again") }),
+                &Refused::later(
+                    503,
+                    1,
+                    format!("the manager serves {MAX_CONNECTIONS} connections at once: try again"),
+                ),
             );
             continue;
         }
         let manager = Arc::clone(&manager);
         let active_now = Arc::clone(&active);
+        let lanes = Arc::clone(&lanes);
         let spawned = std::thread::Builder::new()
             .name("serve-conn".into())
             .spawn(move || {
-                connection(&manager, stream);
+                connection(&manager, &lanes, stream);
                 active_now.fetch_sub(1, Ordering::SeqCst);
             });
         if spawned.is_err() {
@@ -120,8 +136,72 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
     Ok(())
 }
 
-/// Serve one connection: read its request, and answer it.
-fn connection(manager: &Manager, stream: UnixStream) {
+/// Who holds the manager's connections, past their requests' heads: the tenants' in all,
+/// and each token's.
+#[derive(Default)]
+struct Lanes {
+    held: std::sync::Mutex<(usize, HashMap<String, usize>)>,
+}
+
+/// A tenant's hold on a connection, given back when dropped.
+struct Lease<'a> {
+    lanes: &'a Lanes,
+    key: String,
+}
+
+impl Lanes {
+    /// A connection for a request that is not the admin's, if its token (by its hash; none
+    /// for a request without one) holds fewer than [`PER_TENANT`] and the tenants together
+    /// leave the admin's lane free.
+    fn take(&self, token: Option<&str>) -> Result<Lease<'_>, Refused> {
+        let key = token.map(hash_token).unwrap_or_default();
+        let mut held = lock(&self.held);
+        let (all, by_key) = &mut *held;
+        let mine = by_key.get(&key).copied().unwrap_or(0);
+        if mine >= PER_TENANT {
+            return Err(Refused::later(
+                429,
+                1,
+                format!(
+                    "this token holds {PER_TENANT} of the manager's connections already (the most \
+                     one sandbox's token may): wait for one of its requests to end, then retry"
+                ),
+            ));
+        }
+        if *all >= MAX_CONNECTIONS - ADMIN_LANE {
+            return Err(Refused::later(
+                503,
+                1,
+                format!(
+                    "the sandboxes' requests hold all {} connections the manager gives them (the \
+                     rest are kept for the admin): try again",
+                    MAX_CONNECTIONS - ADMIN_LANE
+                ),
+            ));
+        }
+        *all += 1;
+        *by_key.entry(key.clone()).or_insert(0) += 1;
+        Ok(Lease { lanes: self, key })
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        let mut held = lock(&self.lanes.held);
+        let (all, by_key) = &mut *held;
+        *all = all.saturating_sub(1);
+        if let Some(n) = by_key.get_mut(&self.key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                by_key.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// Serve one connection: read its request, take its lane (the admin's, or its tenant's
+/// share), and answer it.
+fn connection(manager: &Manager, lanes: &Lanes, stream: UnixStream) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_write_timeout(Some(REQUEST_TOTAL));
     manager.metrics.requests.fetch_add(1, Ordering::Relaxed);
@@ -137,11 +217,61 @@ fn connection(manager: &Manager, stream: UnixStream) {
             return;
         }
     };
+    let token = bearer(&request);
+    let _lease = if token.is_some_and(|t| manager.is_admin(t)) {
+        None
+    } else {
+        match lanes.take(token) {
+            Ok(lease) => Some(lease),
+            Err(refused) => {
+                manager
+                    .metrics
+                    .requests_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                refusal_reply(&stream, &refused);
+                return;
+            }
+        }
+    };
     if let Err(refused) = route(manager, &request, &stream) {
         manager
             .metrics
             .requests_refused
             .fetch_add(1, Ordering::Relaxed);
         refusal_reply(&stream, &refused);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_holds_its_share_and_the_tenants_leave_the_admins_lane() {
+        let lanes = Lanes::default();
+        let mine: Vec<_> = (0..PER_TENANT)
+            .map(|_| lanes.take(Some("mfs_a")).expect("within its share"))
+            .collect();
+        let over = lanes.take(Some("mfs_a")).err().expect("past its share");
+        assert_eq!((over.status, over.retry_after), (429, Some(1)));
+        // Another token is not held back by it; one given back makes room again.
+        drop(lanes.take(Some("mfs_b")).expect("another token's"));
+        drop(mine);
+        let again = lanes.take(Some("mfs_a")).expect("room again");
+        drop(again);
+        // The tenants together stop short of the admin's lane.
+        let pool = MAX_CONNECTIONS - ADMIN_LANE;
+        let held: Vec<_> = (0..pool)
+            .map(|i| {
+                lanes
+                    .take(Some(&format!("mfs_{i}")))
+                    .expect("within the pool")
+            })
+            .collect();
+        let full = lanes.take(Some("mfs_new")).err().expect("the pool is full");
+        assert_eq!((full.status, full.retry_after), (503, Some(1)));
+        drop(held);
+        assert_eq!(lock(&lanes.held).0, 0);
+        assert!(lock(&lanes.held).1.is_empty());
     }
 }

@@ -23,6 +23,18 @@ pub fn token_matches(hash: &str, token: &str) -> bool {
     same(hash.as_bytes(), hash_token(token).as_bytes())
 }
 
+/// Whether `token` is spelled as this manager writes its tokens: `prefix` then 64 lower-case
+/// hex digits, nothing else (no case variant, sign, whitespace or padding). A token is
+/// accepted in this one spelling only.
+pub fn canonical(prefix: &str, token: &str) -> bool {
+    token.strip_prefix(prefix).is_some_and(|hex| {
+        hex.len() == 64
+            && hex
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
+}
+
 /// A new token: 32 random bytes, hex, with a prefix that says what it is.
 pub fn new_token(prefix: &str) -> Result<String, ServeError> {
     let mut bytes = [0u8; 32];
@@ -65,5 +77,17 @@ mod tests {
         assert_eq!(a.len(), 4 + 64);
         assert!(same(hash_token(&a).as_bytes(), hash_token(&a).as_bytes()));
         assert!(!same(hash_token(&a).as_bytes(), hash_token(&b).as_bytes()));
+        assert!(canonical("mfs_", &a));
+        let upper = format!("mfs_{}", a[4..].to_uppercase());
+        for bad in [
+            &upper,
+            &format!("{a} "),
+            &format!(" {a}"),
+            &format!("{a}="),
+            &a[..67],
+        ] {
+            assert!(!canonical("mfs_", bad), "{bad}");
+        }
+        assert!(!canonical("mfs_", &format!("mfs_+{}", &a[5..])));
     }
 }

@@ -16,6 +16,11 @@ pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The wall clock, in ms since the Unix epoch (what records and events say).
+/// `ttl_s` seconds after `now` (ms since the epoch), as ms since the epoch.
+pub fn expires_at(now: u64, ttl_s: u64) -> u64 {
+    now.saturating_add(ttl_s.saturating_mul(1000))
+}
+
 pub fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
