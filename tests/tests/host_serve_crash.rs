@@ -6,7 +6,8 @@
 //! unfinished fork is listed, and the name can be created again.
 //!
 //! Windows: a VMM started but not yet in its record (a create's, a wake's); a fork after
-//! some of its clones; a create's directory before its record; a delete half-way.
+//! some of its clones; a create's directory before its record; a delete half-way. And a
+//! record lost while the manager was away: its directory is moved aside, its VMM ended.
 
 use std::io::{Read, Write};
 use std::os::unix::ffi::OsStrExt;
@@ -264,18 +265,20 @@ fn a_kill_mid_fork_undoes_every_clone_and_leaves_the_source_as_it_was() {
     kill_9(&mut m);
     leave(m);
 
-    let mut m = manager(&dir, 1_732_000, Some("after-clone:2"));
+    let mut m = manager(&dir, 1_732_000, Some("after-clone:5"));
+    // Six clones, made four at a time: killed once the fifth is made (the first four made,
+    // the sixth perhaps part-way).
     crash_on(
         &mut m,
         "POST",
         "/sandboxes/src/fork",
-        Some(json!({"count": 4})),
+        Some(json!({"count": 6})),
     );
-    let clones = ["src-1", "src-2", "src-3", "src-4"];
-    // The window was hit: two clones at least were made (records, running VMMs).
+    let clones = ["src-1", "src-2", "src-3", "src-4", "src-5", "src-6"];
+    // The window was hit: five clones at least were made (records, running VMMs).
     let made: Vec<Value> = clones.iter().filter_map(|c| record(&m, c)).collect();
     assert!(
-        made.iter().filter(|r| r["state"] == "running").count() >= 2,
+        made.iter().filter(|r| r["state"] == "running").count() >= 5,
         "{made:?}"
     );
     let uids: Vec<u64> = made.iter().filter_map(|r| r["uid"].as_u64()).collect();
@@ -381,5 +384,49 @@ fn a_kill_midway_through_a_delete_is_finished_by_the_next_start() {
             200
         );
     }
+    assert_consistent(&m);
+}
+
+#[test]
+fn a_directory_whose_record_cannot_be_read_is_moved_aside_and_its_vmm_ended() {
+    let dir = TestDir::new("serve-crash-unreadable");
+    let mut m = manager(&dir, 1_735_000, None);
+    m.create_probe("garbled", None);
+    let uid = m.describe("garbled")["uid"].as_u64().unwrap();
+    let sock = socket_of(&m, "garbled");
+    kill_9(&mut m);
+    // Its record is lost while the manager is away; its VMM still runs.
+    std::fs::write(
+        sandbox_dir(&m, "garbled").join("sandbox.json"),
+        b"{ not json",
+    )
+    .unwrap();
+    assert!(!vmms_on(&sock).is_empty());
+    leave(m);
+
+    let m = manager(&dir, 1_735_000, None);
+    assert_eq!(
+        vmms_on(&sock),
+        Vec::<u32>::new(),
+        "its VMM was left running"
+    );
+    assert_eq!(
+        running_as(uid),
+        Vec::<String>::new(),
+        "uid {uid} still runs"
+    );
+    assert!(!sandbox_dir(&m, "garbled").exists());
+    // Kept whole for a person to look at.
+    let aside: Vec<PathBuf> = std::fs::read_dir(m.state.join("quarantine"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    assert!(aside[0].join("sandbox.json").is_file());
+    assert_eq!(m.events("quarantined", "garbled"), 1);
+    assert_consistent(&m);
+    m.create_probe("garbled", None);
+    assert_eq!(m.admin("DELETE", "/sandboxes/garbled", None).0, 200);
     assert_consistent(&m);
 }

@@ -83,3 +83,25 @@ pub fn absolute_state_dir(dir: &Path) -> Result<PathBuf, ServeError> {
         source,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::CrashPoint;
+
+    #[test]
+    fn crash_points_are_read_from_their_names() {
+        assert_eq!("after-spawn".parse(), Ok(CrashPoint::AfterSpawn));
+        assert_eq!("after-mkdir".parse(), Ok(CrashPoint::AfterMkdir));
+        assert_eq!("mid-delete".parse(), Ok(CrashPoint::MidDelete));
+        assert_eq!("after-clone:3".parse(), Ok(CrashPoint::AfterClone(3)));
+        for bad in [
+            "after-clone:0",
+            "after-clone:",
+            "after-clone:x",
+            "somewhere",
+            "",
+        ] {
+            assert!(bad.parse::<CrashPoint>().is_err(), "{bad}");
+        }
+    }
+}

@@ -11,9 +11,11 @@
 //! | any                   | Deleting → gone        | `delete` (`DELETE`, the idle watch's expiry) |
 //! | Running               | Suspended → Running    | `fork_snapshot`: a running source sleeps for its snapshot, then wakes |
 //!
-//! Each of them first notices a VMM that ended on its own (Running → Dead). A manager's start
-//! (see [`crate::recovery`]) finishes what a crash left: Starting and Deleting → gone,
-//! Running and Suspending → Running (adopted) or Dead. A start reserves memory here too
+//! Each of them first notices a VMM that ended on its own (Running → Dead). A create, a
+//! wake's VMM start and a delete are journaled before their first step (see
+//! [`crate::journal`]), and a manager's start (see [`crate::recovery`]) finishes what a crash
+//! left: a journaled create undone, a delete finished, a wake's unrecorded VMM ended;
+//! Starting and Deleting → gone, Running and Suspending → Running (adopted) or Dead. A start reserves memory here too
 //! ([`Manager::reserve_memory`]: with make-room, the longest-idle sandboxes sleep first), and
 //! a suspend disk.
 
