@@ -130,6 +130,19 @@ impl Journal {
             .collect()
     }
 
+    /// Remove what a write cut short left (an entry's temporary file, never renamed into
+    /// place: its operation had not started).
+    pub fn remove_partial(&self) {
+        let Ok(listing) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for entry in listing.flatten() {
+            if entry.file_name().to_string_lossy().starts_with('.') {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+
     /// Remove an entry once what it announced is finished or undone.
     pub fn remove(&self, path: &Path) -> Result<(), ServeError> {
         match std::fs::remove_file(path) {
@@ -197,6 +210,12 @@ mod tests {
         assert_eq!(left[0].1, Ok(create));
         journal.remove(&left[0].0).unwrap();
         assert!(journal.entries().is_empty());
+        // A write cut short before its rename leaves a temporary file: no entry, removed.
+        let partial = dir.join("journal").join(".1-create.json.tmp-1");
+        std::fs::write(&partial, b"{").unwrap();
+        assert!(journal.entries().is_empty());
+        journal.remove_partial();
+        assert!(!partial.exists());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

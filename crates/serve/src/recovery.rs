@@ -161,6 +161,7 @@ impl Manager {
     /// Finish or undo what the journal says was in flight (see [`crate::journal`]), oldest
     /// first, each entry removed once done.
     fn replay_journal(&self, vmms: &VmmsBySocket) {
+        self.journal.remove_partial();
         for (path, intent) in self.journal.entries() {
             match intent {
                 Err(error) => {
