@@ -38,11 +38,14 @@ use crate::util::{io_error, now_ms, write_atomically};
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Intent {
-    /// A create of `name` (as `uid`, when jailed).
+    /// A create of `name` (as `uid`, when jailed), its record's `created_ms` this one's: a
+    /// sandbox of the name whose record says otherwise is another (made after this create's
+    /// sandbox was deleted) and is left alone.
     Create {
         name: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         uid: Option<u32>,
+        created_ms: u64,
     },
     /// A VMM started for a wake of `name`.
     Spawn { name: String },
@@ -189,6 +192,7 @@ mod tests {
         let create = Intent::Create {
             name: "a".into(),
             uid: Some(7),
+            created_ms: 1,
         };
         let fork = Intent::Fork {
             id: "f".into(),

@@ -179,6 +179,7 @@ impl Manager {
         let intent = match self.journal.begin(&Intent::Create {
             name: name.to_owned(),
             uid: inner.record.uid,
+            created_ms: now,
         }) {
             Ok(intent) => intent,
             Err(e) => {
@@ -762,8 +763,9 @@ impl Manager {
             return Err(e);
         }
         drop(inner);
-        lock(&self.sandboxes).remove(&sandbox.name);
+        // Done before the name is free: a create of it again has an entry of its own.
         drop(intent);
+        lock(&self.sandboxes).remove(&sandbox.name);
         self.event("deleted", &sandbox.name, json!({}));
         Ok(())
     }

@@ -171,14 +171,28 @@ impl Manager {
                         json!({ "entry": path, "error": error }),
                     );
                 }
-                Ok(Intent::Create { name, uid }) => {
-                    let ended = self.undo_sandbox(&name, vmms);
-                    self.event(
-                        "create_undone",
-                        &name,
-                        json!({ "uid": uid, "vmms_ended": ended,
-                                "why": "the manager stopped before the create answered" }),
-                    );
+                Ok(Intent::Create {
+                    name,
+                    uid,
+                    created_ms,
+                }) => {
+                    let dir = self.dir.join("sandboxes").join(&name);
+                    if read_record(&dir).is_ok_and(|r| r.created_ms != created_ms) {
+                        // Another sandbox of the name, made after this one was deleted.
+                        self.event(
+                            "create_gone",
+                            &name,
+                            json!({ "why": "deleted before the manager stopped" }),
+                        );
+                    } else {
+                        let ended = self.undo_sandbox(&name, vmms);
+                        self.event(
+                            "create_undone",
+                            &name,
+                            json!({ "uid": uid, "vmms_ended": ended,
+                                    "why": "the manager stopped before the create answered" }),
+                        );
+                    }
                 }
                 Ok(Intent::Spawn { name }) => {
                     // The VMM its record names (if its pid was saved) is adopted or ended as
