@@ -301,6 +301,11 @@ pub(crate) struct ServeArgs {
     /// working: each has its own links to the files). `never` keeps them.
     #[arg(long, value_name = "DURATION", default_value = "7d", value_parser = parse_ttl_s)]
     pub(crate) template_ttl: Ttl,
+    /// For tests only: abort right after this step (after-spawn, after-mkdir, after-clone:K,
+    /// mid-delete), as a `kill -9` there would, so a test can check what the next start makes
+    /// of it.
+    #[arg(long, value_name = "POINT", hide = true)]
+    pub(crate) crash_at: Option<mayfly_serve::CrashPoint>,
 }
 
 /// `--template-ttl`: seconds, or none for `never`.

@@ -55,6 +55,7 @@ pub(crate) fn serve_sandboxes(args: ServeArgs) -> ExitCode {
             disk_budget_mib: args.disk_budget_mib,
             expire_after_s: args.expire_after,
             template_ttl_s: args.template_ttl.0,
+            crash_at: args.crash_at,
         },
     };
     match mayfly_serve::serve(&config, stop_rx) {

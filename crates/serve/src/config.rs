@@ -37,6 +37,42 @@ pub struct Policy {
     pub expire_after_s: Option<u64>,
     /// A template no create has used for this long (seconds) is collected; `None`: kept.
     pub template_ttl_s: Option<u64>,
+    /// Abort the manager right after this step (tests only: `mayfly serve --crash-at`,
+    /// hidden), to kill it inside one of the windows the journal covers (see `journal.rs`).
+    pub crash_at: Option<CrashPoint>,
+}
+
+/// A step of the manager's after which `--crash-at` makes it abort, as `kill -9` would.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CrashPoint {
+    /// `after-spawn`: a VMM was started, its pid is not saved yet.
+    AfterSpawn,
+    /// `after-mkdir`: a create made its sandbox's directory, its record is not written yet.
+    AfterMkdir,
+    /// `after-clone:K`: a fork made its K-th clone (counted from 1), it has not answered.
+    AfterClone(usize),
+    /// `mid-delete`: a delete ended its VMM and removed its record, not the rest of its
+    /// directory.
+    MidDelete,
+}
+
+impl std::str::FromStr for CrashPoint {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<CrashPoint, String> {
+        match text {
+            "after-spawn" => Ok(CrashPoint::AfterSpawn),
+            "after-mkdir" => Ok(CrashPoint::AfterMkdir),
+            "mid-delete" => Ok(CrashPoint::MidDelete),
+            _ => match text.strip_prefix("after-clone:").map(str::parse::<usize>) {
+                Some(Ok(k)) if k > 0 => Ok(CrashPoint::AfterClone(k)),
+                _ => Err(format!(
+                    "{text:?} is no crash point: give after-spawn, after-mkdir, after-clone:K \
+                     (K from 1) or mid-delete"
+                )),
+            },
+        }
+    }
 }
 
 /// The state directory must be absolute: the sandboxes' VMMs are given paths in it.
@@ -46,4 +82,26 @@ pub fn absolute_state_dir(dir: &Path) -> Result<PathBuf, ServeError> {
         path: dir.display().to_string(),
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CrashPoint;
+
+    #[test]
+    fn crash_points_are_read_from_their_names() {
+        assert_eq!("after-spawn".parse(), Ok(CrashPoint::AfterSpawn));
+        assert_eq!("after-mkdir".parse(), Ok(CrashPoint::AfterMkdir));
+        assert_eq!("mid-delete".parse(), Ok(CrashPoint::MidDelete));
+        assert_eq!("after-clone:3".parse(), Ok(CrashPoint::AfterClone(3)));
+        for bad in [
+            "after-clone:0",
+            "after-clone:",
+            "after-clone:x",
+            "somewhere",
+            "",
+        ] {
+            assert!(bad.parse::<CrashPoint>().is_err(), "{bad}");
+        }
+    }
 }

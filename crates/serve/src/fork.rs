@@ -15,17 +15,23 @@
 //! 4. The fork base is removed: the clones' links keep its files for as long as any clone
 //!    needs them.
 //!
-//! A fork that fails part-way deletes the clones it made: all of them or none. It uses only
-//! the manager's public life cycle (a snapshot of the source, creates, deletes).
+//! A fork that fails part-way deletes the clones it made: all of them or none. So does a
+//! manager killed part-way, at its next start: the fork is in the journal (see
+//! [`crate::journal`]) from before its first clone until it answers, and each clone's record
+//! names it, so every clone it made is undone (its VMM ended, its directory removed; its
+//! token was never handed out) and the source stays as its record says. It uses only the
+//! manager's life cycle (a snapshot of the source, creates, deletes).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::config::CrashPoint;
 use crate::error::ServeError;
 use crate::files::seal;
+use crate::journal::Intent;
 use crate::manager::Manager;
 use crate::records::{valid_name, Spec};
 use crate::sandbox::Sandbox;
@@ -140,6 +146,19 @@ pub fn fork(
         seal(base)
     })?;
     let snapshot_ms = start.elapsed().as_secs_f64() * 1e3;
+    // From the first clone until the answer: the next start undoes every clone naming `id`.
+    let intent = match manager.journal.begin(&Intent::Fork {
+        id: id.clone(),
+        source: source.name.clone(),
+        clones: names.clone(),
+    }) {
+        Ok(intent) => intent,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&base);
+            return Err(e);
+        }
+    };
+    let clones_made = AtomicUsize::new(0);
     let idle = request
         .idle_timeout_s
         .or_else(|| source.spec().idle_timeout_s);
@@ -161,9 +180,14 @@ pub fn fork(
                         no_agent,
                         ..Spec::default()
                     };
+                    let (id, clones_made) = (&id, &clones_made);
                     scope.spawn(move || {
                         manager
-                            .create(name, spec, None)
+                            .create_for(name, spec, None, Some(id))
+                            .inspect(|_| {
+                                let k = clones_made.fetch_add(1, Ordering::SeqCst) + 1;
+                                manager.crash_point(CrashPoint::AfterClone(k));
+                            })
                             .map(|(mut described, token)| {
                                 if let Some(o) = described.as_object_mut() {
                                     o.insert("token".into(), Value::String(token));
@@ -196,6 +220,7 @@ pub fn fork(
                 let _ = manager.delete(&sandbox);
             }
         }
+        drop(intent);
         let Some(Err((name, e))) = made.into_iter().nth(pos) else {
             unreachable!("position found an error");
         };
@@ -213,6 +238,7 @@ pub fn fork(
             other => other,
         });
     }
+    drop(intent);
     let clones: Vec<Value> = made.into_iter().flatten().collect();
     let ms = start.elapsed().as_secs_f64() * 1e3;
     manager.event(

@@ -30,7 +30,8 @@
 //! The admin token is in `<state-dir>/admin.token` (mode 0600, made at the first start); the
 //! socket itself is mode 0600. Everything the manager knows is in the state directory (see
 //! `files.rs` and `records.rs`): `kill -9` of the manager loses nothing, and a new one adopts
-//! the VMMs that still run. Stopping the manager (SIGTERM, SIGINT) leaves the sandboxes as
+//! the VMMs that still run, after finishing or undoing what the journal (`journal.rs`) says
+//! was in flight. Stopping the manager (SIGTERM, SIGINT) leaves the sandboxes as
 //! they are.
 //!
 //! The modules, each importing only from those listed before it (`scripts/check-module-cycles`
@@ -38,7 +39,8 @@
 //!
 //! - below everything: `error` (the error type and its HTTP status), `util`, `config`
 //!   (`mayfly serve`'s options), `tokens`, `events` (the event log), `metrics`, `credential`
-//!   (signing and checking credentials);
+//!   (signing and checking credentials), `journal` (the intents a crash must not lose: a
+//!   create, a VMM's start, a fork, a delete, each finished or undone by the next start);
 //! - what a sandbox is: `template` (a template's spec), `records` (a sandbox's spec, state
 //!   and record on disk), `files` (its directory), `process` (its VMM process), `budget`
 //!   (memory and disk accounting), `sandbox` (the value the manager holds);
@@ -52,6 +54,7 @@ mod config;
 mod credential;
 mod error;
 mod events;
+mod journal;
 mod metrics;
 mod tokens;
 mod util;
@@ -77,7 +80,7 @@ mod openapi;
 mod routes;
 mod server;
 
-pub use config::{absolute_state_dir, Policy, ServeConfig};
+pub use config::{absolute_state_dir, CrashPoint, Policy, ServeConfig};
 pub use error::ServeError;
 pub use openapi::{OPENAPI, ROUTES};
 pub use records::DEFAULT_MEM_MIB;

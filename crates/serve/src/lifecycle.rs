@@ -11,9 +11,11 @@
 //! | any                   | Deleting → gone        | `delete` (`DELETE`, the idle watch's expiry) |
 //! | Running               | Suspended → Running    | `fork_snapshot`: a running source sleeps for its snapshot, then wakes |
 //!
-//! Each of them first notices a VMM that ended on its own (Running → Dead). A manager's start
-//! (see [`crate::recovery`]) finishes what a crash left: Starting and Deleting → gone,
-//! Running and Suspending → Running (adopted) or Dead. A start reserves memory here too
+//! Each of them first notices a VMM that ended on its own (Running → Dead). A create, a
+//! wake's VMM start and a delete are journaled before their first step (see
+//! [`crate::journal`]), and a manager's start (see [`crate::recovery`]) finishes what a crash
+//! left: a journaled create undone, a delete finished, a wake's unrecorded VMM ended;
+//! Starting and Deleting → gone, Running and Suspending → Running (adopted) or Dead. A start reserves memory here too
 //! ([`Manager::reserve_memory`]: with make-room, the longest-idle sandboxes sleep first), and
 //! a suspend disk.
 
@@ -25,14 +27,16 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::budget::Reserved;
+use crate::config::CrashPoint;
 use crate::error::ServeError;
 use crate::files::{self, check_plain, link_base, link_snapshot, make_dirs, BASE};
+use crate::journal::Intent;
 use crate::manager::Manager;
 use crate::process::{log_tail, pause_and_snapshot, Vmm, STOP_TIMEOUT, VMM_REQUEST_TIMEOUT};
-use crate::records::{valid_name, CredentialState, Record, Spec, State};
+use crate::records::{valid_name, CredentialState, Record, Spec, State, RECORD};
 use crate::sandbox::{Inner, Launcher, Sandbox};
 use crate::tokens::{hash_token, new_token};
-use crate::util::{expires_at, lock, now_ms};
+use crate::util::{expires_at, io_error, lock, now_ms};
 
 /// Requests passed to one sandbox's VMM at once: a VMM that stalls holds at most these of the
 /// manager's connections.
@@ -55,12 +59,25 @@ impl Drop for Activity<'_> {
 
 impl Manager {
     /// Make a sandbox and start its VMM; returns its description and its token (which
-    /// expires after `token_ttl_s`, if given). Nothing of it is left if it fails.
+    /// expires after `token_ttl_s`, if given). Nothing of it is left if it fails, nor if the
+    /// manager is killed before it returns (its journal entry has the next start undo it).
     pub fn create(
+        &self,
+        name: &str,
+        spec: Spec,
+        token_ttl_s: Option<u64>,
+    ) -> Result<(Value, String), ServeError> {
+        self.create_for(name, spec, token_ttl_s, None)
+    }
+
+    /// [`Manager::create`], for the fork `fork` when given (its record names the fork, which
+    /// the next start undoes whole if the manager is killed before it answered).
+    pub(crate) fn create_for(
         &self,
         name: &str,
         mut spec: Spec,
         token_ttl_s: Option<u64>,
+        fork: Option<&str>,
     ) -> Result<(Value, String), ServeError> {
         if !valid_name(name) {
             return Err(ServeError::BadRequest(format!(
@@ -160,6 +177,7 @@ impl Manager {
                 uid,
                 guest_bytes: None,
                 vm_paused: false,
+                fork: fork.map(str::to_owned),
             };
             let sandbox = Arc::new(Sandbox::new(dir.clone(), record, self.uptime_ms()));
             all.insert(name.to_owned(), Arc::clone(&sandbox));
@@ -167,8 +185,24 @@ impl Manager {
         };
         let start = Instant::now();
         let mut inner = lock(&sandbox.inner);
+        // Written before anything is made: a manager killed from here until the create
+        // returns leaves this entry, and the next start undoes the create (its VMM ended, its
+        // directory removed, its name and uid free again; its token was never handed out).
+        let intent = match self.journal.begin(&Intent::Create {
+            name: name.to_owned(),
+            uid: inner.record.uid,
+            created_ms: now,
+        }) {
+            Ok(intent) => intent,
+            Err(e) => {
+                drop(inner);
+                lock(&self.sandboxes).remove(name);
+                return Err(e);
+            }
+        };
         let made = (|| {
             make_dirs(&dir, inner.record.uid.filter(|_| inner.record.jailed))?;
+            self.crash_point(CrashPoint::AfterMkdir);
             sandbox.save(&inner)?;
             // A snapshot to restore is linked into the sandbox's own `vm/base/` (nothing is
             // copied): the layers its disks stack on are then inside what its jail sees, its
@@ -201,6 +235,7 @@ impl Manager {
             lock(&self.sandboxes).remove(name);
             self.metrics.creates_failed.fetch_add(1, Ordering::Relaxed);
             self.event("create_failed", name, json!({ "error": e.to_string() }));
+            drop(intent);
             return Err(e);
         }
         let took = start.elapsed();
@@ -213,6 +248,7 @@ impl Manager {
         let record = inner.record.clone();
         drop(inner);
         self.give_credential(&sandbox, &record);
+        drop(intent);
         Ok((self.describe(&sandbox), token))
     }
 
@@ -225,6 +261,7 @@ impl Manager {
             mayfly: &self.mayfly,
             state_dir: &self.dir,
             reserve,
+            crash_after_spawn: self.crash_at == Some(CrashPoint::AfterSpawn),
         }
     }
 
@@ -516,12 +553,22 @@ impl Manager {
         let start = Instant::now();
         let spec = inner.record.spec.clone();
         let jail = inner.record.uid.filter(|_| inner.record.jailed);
+        // Until its pid is in its record, a VMM started here is known only to the journal
+        // (the next start ends it by its socket if the manager is killed meanwhile).
+        let mut intent = Some(self.journal.begin(&Intent::Spawn {
+            name: sandbox.name.clone(),
+        })?);
         let started = self.start_vmm(sandbox, &spec, jail, true, &mut |pid, start, bytes| {
             inner.record.pid = Some(pid);
             inner.record.pid_start = start;
             inner.record.guest_bytes = Some(bytes);
-            sandbox.save(inner)
+            let saved = sandbox.save(inner);
+            if saved.is_ok() {
+                intent = None;
+            }
+            saved
         });
+        drop(intent);
         match started {
             Ok(vmm) => {
                 inner.vmm = Some(vmm);
@@ -696,22 +743,40 @@ impl Manager {
         mut inner: MutexGuard<'_, Inner>,
     ) -> Result<(), ServeError> {
         // A delete that failed half-way (its directory could not be removed) may be tried
-        // again: it starts over.
+        // again: it starts over. Journaled first: a manager killed part-way leaves the entry,
+        // and the next start finishes the delete (a directory half removed is no sandbox).
+        let intent = self.journal.begin(&Intent::Delete {
+            name: sandbox.name.clone(),
+        })?;
         inner.record.state = State::Deleting;
         sandbox.save(&inner)?;
         if let Some(mut vmm) = inner.vmm.take() {
             vmm.kill();
         }
-        // Gone already: another delete of it finished while this one waited for its lock.
-        match std::fs::remove_dir_all(sandbox.dir()) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            other => other.map_err(|source| ServeError::Io {
-                what: "remove",
-                path: sandbox.dir().display().to_string(),
-                source,
-            })?,
+        // The record first: from here on the directory is no sandbox's.
+        let record = sandbox.dir().join(RECORD);
+        let removed = match std::fs::remove_file(&record) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(io_error("remove", &record)(e))
+            }
+            _ => Ok(()),
+        }
+        .and_then(|()| {
+            self.crash_point(CrashPoint::MidDelete);
+            // Gone already: another delete of it finished while this one waited for its lock.
+            match std::fs::remove_dir_all(sandbox.dir()) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                other => other.map_err(io_error("remove", sandbox.dir())),
+            }
+        });
+        if let Err(e) = removed {
+            // Left in the journal: the next start finishes it.
+            intent.keep();
+            return Err(e);
         }
         drop(inner);
+        // Done before the name is free: a create of it again has an entry of its own.
+        drop(intent);
         lock(&self.sandboxes).remove(&sandbox.name);
         self.event("deleted", &sandbox.name, json!({}));
         Ok(())

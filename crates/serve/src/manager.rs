@@ -13,11 +13,12 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::budget::{DiskBudget, MemoryBudget};
-use crate::config::Policy;
+use crate::config::{CrashPoint, Policy};
 use crate::credential::{Claims, Keys, GUEST_PATH};
 use crate::error::ServeError;
 use crate::events::EventLog;
 use crate::files::disk_bytes;
+use crate::journal::Journal;
 use crate::metrics::{Gauges, Metrics};
 use crate::process::rss_tree_bytes;
 use crate::records::{Record, State};
@@ -60,6 +61,10 @@ pub struct Manager {
     /// Signs the credentials sandboxes' guests hold.
     pub(crate) credentials: Keys,
     pub(crate) events: Arc<EventLog>,
+    /// What is in flight, for the next start to finish or undo (see [`crate::journal`]).
+    pub(crate) journal: Journal,
+    /// `--crash-at` (tests only): the step after which the manager aborts.
+    pub(crate) crash_at: Option<CrashPoint>,
     started: Instant,
 }
 
@@ -99,6 +104,8 @@ impl Manager {
             metrics: Metrics::default(),
             credentials: Keys::open(dir)?,
             events: Arc::new(events),
+            journal: Journal::open(dir)?,
+            crash_at: policy.crash_at,
             started: Instant::now(),
         })
     }
@@ -114,6 +121,14 @@ impl Manager {
 
     pub fn is_admin(&self, token: &str) -> bool {
         token_matches(&self.admin_hash, token)
+    }
+
+    /// Abort here if `--crash-at` names this step (tests only: a `kill -9` right there).
+    pub(crate) fn crash_point(&self, at: CrashPoint) {
+        if self.crash_at == Some(at) {
+            self.event("crashing", "", json!({ "at": format!("{at:?}") }));
+            std::process::abort();
+        }
     }
 
     /// One JSON line per life-cycle event, in `events.jsonl` and on stderr.

@@ -4,11 +4,13 @@
 //! memory use and its log, and asking it to pause and snapshot. Nothing here knows the
 //! manager: what a start needs is given to it.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -119,6 +121,108 @@ pub fn find_process(record: &Record) -> Option<Vmm> {
     })
 }
 
+/// The processes started for a VMM control socket, found by their command lines: every VMM
+/// the manager starts is told its sandbox's socket (`--api-sock PATH`), a path no other
+/// sandbox has, and a jailed VMM (forked by its waiter) has the same command line as the
+/// waiter. This finds the VMMs a record never got to name (a manager killed between a VMM's
+/// start and its record: see `journal.rs`).
+pub struct VmmsBySocket(BTreeMap<PathBuf, Vec<u32>>);
+
+/// Whether process `pid` was started with `--api-sock SOCK`.
+fn started_on(pid: u32, sock: &[u8]) -> bool {
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    args.windows(2)
+        .any(|pair| pair[0] == b"--api-sock" && pair[1] == sock)
+}
+
+/// A process's parent (field 4 of /proc/PID/stat).
+fn parent(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// Whether `pid` is `ancestor` or one of its descendants (a jailed VMM is its waiter's child).
+fn descends_from(mut pid: u32, ancestor: u32) -> bool {
+    for _ in 0..16 {
+        if pid == ancestor {
+            return true;
+        }
+        match parent(pid) {
+            Some(p) if p > 1 => pid = p,
+            _ => return false,
+        }
+    }
+    false
+}
+
+impl VmmsBySocket {
+    /// Every process of the host started with `--api-sock PATH`, by PATH (one pass of /proc).
+    pub fn scan() -> VmmsBySocket {
+        let mut found: BTreeMap<PathBuf, Vec<u32>> = BTreeMap::new();
+        let Ok(procs) = std::fs::read_dir("/proc") else {
+            return VmmsBySocket(found);
+        };
+        for pid in procs
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        {
+            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                continue;
+            };
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            for pair in args.windows(2) {
+                if pair[0] == b"--api-sock" {
+                    found
+                        .entry(PathBuf::from(std::ffi::OsStr::from_bytes(pair[1])))
+                        .or_default()
+                        .push(pid);
+                }
+            }
+        }
+        VmmsBySocket(found)
+    }
+
+    /// End every process found for `sock` but `keep` (the VMM its record names, adopted) and
+    /// its children: SIGTERM, SIGKILL if it has not ended within [`STOP_TIMEOUT`], each
+    /// waited for, so that the sandbox's socket and uid are free once this returns. Returns
+    /// the pids ended.
+    pub fn end(&self, sock: &Path, keep: Option<u32>) -> Vec<u32> {
+        let mut ended = Vec::new();
+        let Some(pids) = self.0.get(sock) else {
+            return ended;
+        };
+        for &pid in pids {
+            if keep.is_some_and(|k| descends_from(pid, k)) {
+                continue;
+            }
+            let Ok(pidfd) = mayfly_sys::pidfd::open(libc::pid_t::try_from(pid).unwrap_or(-1))
+            else {
+                continue;
+            };
+            // Checked again now that the pidfd holds it: the pid cannot change hands from
+            // here on.
+            if !started_on(pid, sock.as_os_str().as_bytes()) {
+                continue;
+            }
+            Vmm {
+                pid,
+                pidfd,
+                child: None,
+            }
+            .kill();
+            ended.push(pid);
+        }
+        ended
+    }
+}
+
 /// Resident memory of a process, in bytes.
 fn rss_bytes(pid: u32) -> u64 {
     let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
@@ -201,6 +305,8 @@ pub struct Launch<'a> {
     pub vm_dir: &'a Path,
     /// Jailed as this uid and gid.
     pub jail_uid: Option<u32>,
+    /// Abort the manager right after the VMM is started (`--crash-at after-spawn`; tests).
+    pub crash_after_spawn: bool,
 }
 
 /// Start a VMM and wait for its control socket to answer. `persist` is given its pid and
@@ -258,6 +364,10 @@ pub fn launch(
         .process_group(0);
     let child = command.spawn().map_err(io_error("start", how.mayfly))?;
     let pid = child.id();
+    if how.crash_after_spawn {
+        eprintln!("mayfly serve: --crash-at after-spawn: aborting (VMM pid {pid} not saved)");
+        std::process::abort();
+    }
     let pidfd =
         mayfly_sys::pidfd::open(libc::pid_t::try_from(pid).unwrap_or(-1)).map_err(|source| {
             ServeError::Io {

@@ -268,6 +268,10 @@ pub struct Record {
     /// next wake pauses it again, as a wake (a restore) would otherwise set it running.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub vm_paused: bool,
+    /// The fork that made it (its id in the journal, see `journal.rs`): a manager killed
+    /// before that fork answered undoes every sandbox that names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork: Option<String>,
 }
 
 /// Save `record` as the record in the sandbox directory `dir`, atomically (a crash leaves

@@ -1,24 +1,44 @@
-//! A manager's start: its view rebuilt from the records on disk, the VMMs that still run
-//! adopted, and what a crash (or `kill -9`) of the last manager interrupted finished. Each
-//! record names its VMM by pid and start time, saved first thing at every start, so no VMM
-//! is lost; nothing is deleted on a guess (an unreadable record is left for a person).
+//! A manager's start: what the last manager had in flight finished or undone, its view
+//! rebuilt from the records on disk, the VMMs that still run adopted, and nothing left that
+//! no one owns. In order:
+//!
+//! 1. One scan of /proc finds every process started for a control socket (`--api-sock`: see
+//!    [`crate::process::VmmsBySocket`]): what finds a VMM whose pid never reached its record.
+//! 2. Template builds that never finished are ended and removed, as are fork bases.
+//! 3. The journal (see [`crate::journal`]), oldest entry first: a create is undone (its VMM
+//!    ended, its directory removed: its name and uid are free, its token never reached
+//!    anyone), a fork's clones are all undone, a delete is finished, a wake's VMM not in its
+//!    record is ended. Each entry is removed once done.
+//! 4. Each sandbox directory: one without a record (made or half removed by a manager older
+//!    than the journal) is removed; one whose record cannot be read is moved, whole, to
+//!    `<state-dir>/quarantine/NAME-MS/` for a person to look at (nothing is deleted on a
+//!    guess, and its name is free again); the others are adopted as their records say
+//!    (Starting and Deleting: removed; Running and Suspending: adopted, or Dead if their VMM
+//!    is gone; a wake cut short: asleep again).
+//! 5. Any other process still on a sandbox's socket (not the VMM its record names, nor that
+//!    VMM's own children) is ended.
+//!
+//! Every step says what it did in the event log.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
 
+use crate::files::socket;
+use crate::journal::Intent;
 use crate::manager::Manager;
-use crate::process::find_process;
-use crate::records::{read_record, valid_name, State};
+use crate::process::{find_process, Vmm, VmmsBySocket};
+use crate::records::{read_record, valid_name, State, RECORD};
 use crate::sandbox::Sandbox;
-use crate::util::lock;
+use crate::util::{lock, now_ms};
 
 impl Manager {
     /// Rebuild the view from the records on disk (at start): adopt the VMMs that still run,
     /// keep the suspended, finish what a crash interrupted.
     pub fn recover(&self) {
-        self.remove_unfinished_templates();
+        let vmms = VmmsBySocket::scan();
+        self.remove_unfinished_templates(&vmms);
         // Fork bases live only while their fork request runs: any left are a killed
         // manager's (its clones, if made, hold links to the files they need).
         if let Ok(entries) = std::fs::read_dir(self.dir.join("forks")) {
@@ -26,6 +46,7 @@ impl Manager {
                 let _ = std::fs::remove_dir_all(entry.path());
             }
         }
+        self.replay_journal(&vmms);
         let Ok(entries) = std::fs::read_dir(self.dir.join("sandboxes")) else {
             return;
         };
@@ -37,9 +58,23 @@ impl Manager {
             }
             let record = match read_record(&dir) {
                 Ok(record) => record,
+                Err(_) if std::fs::symlink_metadata(dir.join(RECORD)).is_err() => {
+                    // Made, or half removed, by a manager that kept no journal: no sandbox.
+                    let ended = vmms.end(&socket(&dir), None);
+                    let removed = std::fs::remove_dir_all(&dir).map_err(|e| e.to_string());
+                    self.event(
+                        "removed",
+                        &name,
+                        json!({ "why": "its directory has no record (a create or delete cut short)",
+                                "vmms_ended": ended, "error": removed.err() }),
+                    );
+                    continue;
+                }
                 Err(e) => {
-                    // Left alone for a person to look at: nothing is deleted on a guess.
-                    self.event("unreadable", &name, json!({ "error": e, "dir": dir }));
+                    // Moved aside whole for a person to look at (nothing is deleted on a
+                    // guess), so that its name is free again.
+                    let ended = vmms.end(&socket(&dir), None);
+                    self.quarantine(&name, &dir, &e, &ended);
                     continue;
                 }
             };
@@ -66,11 +101,12 @@ impl Manager {
                     if let Some(mut vmm) = process {
                         vmm.kill();
                     }
+                    let ended = vmms.end(&socket(&dir), None);
                     let _ = std::fs::remove_dir_all(&dir);
                     self.event(
                         "removed",
                         &name,
-                        json!({ "why": "unfinished at the last stop" }),
+                        json!({ "why": "unfinished at the last stop", "vmms_ended": ended }),
                     );
                     continue;
                 }
@@ -106,6 +142,11 @@ impl Manager {
                 }
                 (state, None) => state.name(),
             };
+            // Anything else on its socket is a VMM its record never got to name.
+            let strays = vmms.end(&sandbox.socket(), inner.vmm.as_ref().map(Vmm::pid));
+            if !strays.is_empty() {
+                self.event("strays_ended", &name, json!({ "pids": strays }));
+            }
             let _ = sandbox.save(&inner);
             self.event(
                 "recovered",
@@ -117,8 +158,134 @@ impl Manager {
         }
     }
 
+    /// Finish or undo what the journal says was in flight (see [`crate::journal`]), oldest
+    /// first, each entry removed once done.
+    fn replay_journal(&self, vmms: &VmmsBySocket) {
+        self.journal.remove_partial();
+        for (path, intent) in self.journal.entries() {
+            match intent {
+                Err(error) => {
+                    self.event(
+                        "journal_unreadable",
+                        "",
+                        json!({ "entry": path, "error": error }),
+                    );
+                }
+                Ok(Intent::Create {
+                    name,
+                    uid,
+                    created_ms,
+                }) => {
+                    let dir = self.dir.join("sandboxes").join(&name);
+                    if read_record(&dir).is_ok_and(|r| r.created_ms != created_ms) {
+                        // Another sandbox of the name, made after this one was deleted.
+                        self.event(
+                            "create_gone",
+                            &name,
+                            json!({ "why": "deleted before the manager stopped" }),
+                        );
+                    } else {
+                        let ended = self.undo_sandbox(&name, vmms);
+                        self.event(
+                            "create_undone",
+                            &name,
+                            json!({ "uid": uid, "vmms_ended": ended,
+                                    "why": "the manager stopped before the create answered" }),
+                        );
+                    }
+                }
+                Ok(Intent::Spawn { name }) => {
+                    // The VMM its record names (if its pid was saved) is adopted or ended as
+                    // any; another on its socket was started and never recorded.
+                    let dir = self.dir.join("sandboxes").join(&name);
+                    let keep = read_record(&dir)
+                        .ok()
+                        .and_then(|r| find_process(&r))
+                        .map(|vmm| vmm.pid());
+                    let ended = if valid_name(&name) {
+                        vmms.end(&socket(&dir), keep)
+                    } else {
+                        Vec::new()
+                    };
+                    self.event("spawn_undone", &name, json!({ "vmms_ended": ended }));
+                }
+                Ok(Intent::Fork { id, source, clones }) => {
+                    let mut undone = Vec::new();
+                    for clone in &clones {
+                        let dir = self.dir.join("sandboxes").join(clone);
+                        let ours = valid_name(clone)
+                            && read_record(&dir).is_ok_and(|r| r.fork.as_deref() == Some(&id));
+                        if ours {
+                            self.undo_sandbox(clone, vmms);
+                            undone.push(clone.clone());
+                        }
+                    }
+                    self.event(
+                        "fork_undone",
+                        &source,
+                        json!({ "fork": id, "clones_undone": undone,
+                                "why": "the manager stopped before the fork answered" }),
+                    );
+                }
+                Ok(Intent::Delete { name }) => {
+                    let ended = self.undo_sandbox(&name, vmms);
+                    self.event("delete_finished", &name, json!({ "vmms_ended": ended }));
+                }
+            }
+            if let Err(e) = self.journal.remove(&path) {
+                self.event(
+                    "journal_stuck",
+                    "",
+                    json!({ "entry": path, "error": e.to_string() }),
+                );
+            }
+        }
+    }
+
+    /// End every VMM of sandbox `name` (the one its record names, and any other on its
+    /// socket) and remove its directory; returns the pids ended.
+    fn undo_sandbox(&self, name: &str, vmms: &VmmsBySocket) -> Vec<u32> {
+        // A journal's name only ever names a sandbox's directory.
+        if !valid_name(name) {
+            return Vec::new();
+        }
+        let dir = self.dir.join("sandboxes").join(name);
+        let mut ended = Vec::new();
+        if let Some(mut vmm) = read_record(&dir).ok().and_then(|r| find_process(&r)) {
+            ended.push(vmm.pid());
+            vmm.kill();
+        }
+        ended.extend(vmms.end(&socket(&dir), None));
+        match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                self.event(
+                    "remove_failed",
+                    name,
+                    json!({ "dir": dir, "error": e.to_string() }),
+                );
+            }
+            _ => {}
+        }
+        ended
+    }
+
+    /// Move a sandbox directory whose record cannot be read to `<state-dir>/quarantine/`.
+    fn quarantine(&self, name: &str, dir: &std::path::Path, error: &str, ended: &[u32]) {
+        let aside = self.dir.join("quarantine");
+        let to = aside.join(format!("{name}-{}", now_ms()));
+        let moved = std::fs::create_dir_all(&aside)
+            .and_then(|()| std::fs::rename(dir, &to))
+            .map_err(|e| e.to_string());
+        self.event(
+            "quarantined",
+            name,
+            json!({ "error": error, "moved_to": moved.is_ok().then_some(&to),
+                    "move_failed": moved.err(), "vmms_ended": ended }),
+        );
+    }
+
     /// End the VMMs of template builds a killed manager left, and remove those builds.
-    fn remove_unfinished_templates(&self) {
+    fn remove_unfinished_templates(&self, vmms: &VmmsBySocket) {
         let Ok(entries) = std::fs::read_dir(self.dir.join("templates")) else {
             return;
         };
@@ -131,6 +298,7 @@ impl Manager {
             if let Some(mut vmm) = record.as_ref().and_then(find_process) {
                 vmm.kill();
             }
+            vmms.end(&socket(&dir), None);
             let _ = std::fs::remove_dir_all(&dir);
             self.event(
                 "template_removed",

@@ -49,6 +49,8 @@ pub struct Launcher<'a, 'r> {
     pub mayfly: &'a Path,
     pub state_dir: &'a Path,
     pub reserve: &'a dyn Fn(&str, u64) -> Reserved<'r>,
+    /// Abort right after a VMM is started (`--crash-at after-spawn`; tests).
+    pub crash_after_spawn: bool,
 }
 
 impl Sandbox {
@@ -87,6 +89,7 @@ impl Sandbox {
             uid,
             guest_bytes: None,
             vm_paused: false,
+            fork: None,
         };
         Sandbox::new(dir.to_path_buf(), record, 0)
     }
@@ -253,6 +256,7 @@ impl Sandbox {
             log_path: &log_path,
             vm_dir: &vm_dir,
             jail_uid,
+            crash_after_spawn: launcher.crash_after_spawn,
         };
         process::launch(&how, log, &mut |pid, start| {
             persist(pid, start, guest_bytes)
