@@ -31,9 +31,10 @@
 //! The modules, each importing only from those listed before it (`scripts/check-module-cycles`
 //! holds the line):
 //!
-//! - below everything: `error` (the error type and its HTTP status), `util`, `config`
-//!   (`mayfly serve`'s options), `tokens`, `events` (the event log), `metrics`, `credential`
-//!   (signing and checking credentials);
+//! - below everything: `error` (the error type and its HTTP status), `util`, `cgroup` (each
+//!   VMM's memory cgroup), `config` (`mayfly serve`'s options), `tokens`, `events` (the event
+//!   log), `images` (where the files a create names may be), `metrics`, `credential` (signing
+//!   and checking credentials);
 //! - what a sandbox is: `template` (a template's spec), `records` (a sandbox's spec, state
 //!   and record on disk), `files` (its directory), `process` (its VMM process), `budget`
 //!   (memory and disk accounting), `sandbox` (the value the manager holds);
@@ -43,10 +44,12 @@
 //! - on top: `fork`, `openapi`, `routes` (HTTP), `server` (the socket).
 
 // Below everything.
+mod cgroup;
 mod config;
 mod credential;
 mod error;
 mod events;
+mod images;
 mod metrics;
 mod tokens;
 mod util;
@@ -72,7 +75,9 @@ mod openapi;
 mod routes;
 mod server;
 
-pub use config::{absolute_state_dir, Policy, ServeConfig};
+pub use config::{
+    absolute_state_dir, Policy, ServeConfig, DEFAULT_CONSOLE_LIMIT, DEFAULT_VMM_ALLOWANCE_MIB,
+};
 pub use error::ServeError;
 pub use openapi::{OPENAPI, ROUTES};
 pub use records::DEFAULT_MEM_MIB;
