@@ -23,7 +23,10 @@
 //!
 //! "either": the sandbox's own token or the admin token, as `Authorization: Bearer TOKEN`.
 //! The admin token is in `<state-dir>/admin.token` (mode 0600, made at the first start); the
-//! socket itself is mode 0600. Everything the manager knows is in the state directory (see
+//! socket itself is mode 0600. What the admin token names for a create (kernel, initrd,
+//! rootfs, snapshot) is read only from the images directories (`--images-dir`, see
+//! `images.rs`); every VMM runs in a memory cgroup of its guest memory and an allowance,
+//! counted so in the memory budget (`cgroup.rs`); its console and log are capped. Everything the manager knows is in the state directory (see
 //! `files.rs` and `records.rs`): `kill -9` of the manager loses nothing, and a new one adopts
 //! the VMMs that still run. Stopping the manager (SIGTERM, SIGINT) leaves the sandboxes as
 //! they are.
