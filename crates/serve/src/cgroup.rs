@@ -130,6 +130,24 @@ impl MemoryGroups {
         Some(self.parent()?.join(format!("{}-{name}", self.tag)))
     }
 
+    /// Remove this manager's groups that hold no process any more (left by VMMs that ended
+    /// while no manager watched them); one that still holds a VMM (adopted) stays, the kernel
+    /// refusing to remove it.
+    pub fn sweep(&self) {
+        let Some(parent) = self.parent() else {
+            return;
+        };
+        let Ok(entries) = std::fs::read_dir(&parent) else {
+            return;
+        };
+        let prefix = format!("{}-", self.tag);
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_dir(entry.path());
+            }
+        }
+    }
+
     /// Make (or remake) the memory group of the VMM `name`, limited to `bytes`; `None` when
     /// the host has no memory controller.
     pub fn make(&self, name: &str, bytes: u64) -> Result<Option<Group>, ServeError> {

@@ -117,6 +117,7 @@ impl Manager {
             }
         }
         let groups = MemoryGroups::find(dir);
+        groups.sweep();
         if !groups.available() {
             events.write(
                 "no_memory_limit",
