@@ -56,12 +56,29 @@ impl Manager {
         Manager::start_with(dir, &[])
     }
 
-    /// A manager with more `mayfly serve` options.
+    /// A manager with more `mayfly serve` options. Its images directories (where the files
+    /// a create names must be) are the test's directory and the probe guest's.
     pub fn start_with(dir: &TestDir, extra: &[&str]) -> Manager {
         let sock = dir.join("m.sock");
         let state = dir.join("state");
         let (state_arg, sock_arg) = (state.to_string_lossy(), sock.to_string_lossy());
-        let mut args = vec!["serve", "--state-dir", &state_arg, "--sock", &sock_arg];
+        let probe_dir = Path::new(probe::ELF)
+            .parent()
+            .expect("the probe is in a directory")
+            .to_string_lossy()
+            .into_owned();
+        let test_dir = dir.0.to_string_lossy().into_owned();
+        let mut args = vec![
+            "serve",
+            "--state-dir",
+            &state_arg,
+            "--sock",
+            &sock_arg,
+            "--images-dir",
+            &test_dir,
+            "--images-dir",
+            &probe_dir,
+        ];
         args.extend_from_slice(extra);
         let process = Guest::start(&args);
         assert!(

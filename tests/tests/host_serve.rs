@@ -291,6 +291,11 @@ fn bad_creates_are_refused_in_words_and_leave_nothing_behind() {
     refused(
         json!({"name": "a", "kernel": "/nonexistent"}),
         400,
+        "--images-dir",
+    );
+    refused(
+        json!({"name": "a", "kernel": dir.join("nonexistent")}),
+        400,
         "does not exist",
     );
     refused(json!({"name": "a", "idle_timeout_s": 0}), 400, "at least 1");
@@ -299,14 +304,17 @@ fn bad_creates_are_refused_in_words_and_leave_nothing_behind() {
         400,
         "cannot have a NIC",
     );
+    std::fs::create_dir(dir.join("snap")).unwrap();
     refused(
-        json!({"name": "a", "snapshot": "/", "mem_mib": 64}),
+        json!({"name": "a", "snapshot": dir.join("snap"), "mem_mib": 64}),
         400,
         "alone",
     );
     // A VMM that cannot start: its own words come back, and nothing of it stays.
+    let not_a_kernel = dir.join("passwd");
+    std::fs::copy("/etc/passwd", &not_a_kernel).unwrap();
     refused(
-        json!({"name": "notakernel", "kernel": "/etc/passwd"}),
+        json!({"name": "notakernel", "kernel": not_a_kernel}),
         502,
         "neither an x86-64 ELF vmlinux nor a bzImage",
     );
@@ -821,8 +829,10 @@ fn every_route_in_the_openapi_document_answers_as_documented() {
 #[test]
 fn the_memory_budget_refuses_what_would_exceed_it_and_says_why() {
     let dir = TestDir::new("serve-budget");
-    // Probes of 64 MiB: two fit in 160 MiB, three do not.
-    let mut m = Manager::start_with(&dir, &["--mem-budget-mib", "160"]);
+    // Probes of 64 MiB, each VMM allowed 16 MiB more (and counted so): two fit in 200 MiB,
+    // three do not.
+    let budget = ["--mem-budget-mib", "200", "--vmm-allowance-mib", "16"];
+    let mut m = Manager::start_with(&dir, &budget);
     m.create_probe("a", None);
     m.create_probe("b", None);
     let spec = |name: &str| json!({ "name": name, "kernel": probe::ELF, "mem_mib": 64, "cmdline": "touch=1", "probe": true });
@@ -831,8 +841,8 @@ fn the_memory_budget_refuses_what_would_exceed_it_and_says_why() {
         let error = body["error"].as_str().unwrap();
         assert!(
             error.contains("memory budget")
-                && error.contains("needs 64 MiB")
-                && error.contains("hold 128 MiB of the 160 MiB")
+                && error.contains("needs 80 MiB")
+                && error.contains("hold 160 MiB of the 200 MiB")
                 && error.contains("PUT /sandboxes/NAME/pause"),
             "{what}: {error}"
         );
@@ -859,7 +869,7 @@ fn the_memory_budget_refuses_what_would_exceed_it_and_says_why() {
     // A new manager on the same state counts the VMMs it adopted.
     m.process.signal(libc::SIGKILL);
     m.process.wait_exit(Duration::from_secs(10));
-    let m = Manager::start_with(&dir, &["--mem-budget-mib", "160"]);
+    let m = Manager::start_with(&dir, &budget);
     refused(
         m.admin("PUT", "/sandboxes/a/resume", None),
         "a wake after a restart",
@@ -1008,12 +1018,15 @@ fn the_disk_budget_refuses_a_suspend_that_could_exceed_it() {
 #[test]
 fn past_the_memory_budget_the_longest_idle_sandbox_sleeps_to_make_room() {
     let dir = TestDir::new("serve-make-room");
-    // Probes of 64 MiB: two fit in 160 MiB.
+    // Probes of 64 MiB, each VMM allowed 16 MiB more: two fit in 170 MiB (a restored one
+    // counts its memory file, a little more than its 64 MiB), three do not.
     let m = Manager::start_with(
         &dir,
         &[
             "--mem-budget-mib",
-            "160",
+            "170",
+            "--vmm-allowance-mib",
+            "16",
             "--when-over-budget",
             "suspend-idle",
         ],

@@ -306,6 +306,31 @@ pub(crate) struct ServeArgs {
     /// of it.
     #[arg(long, value_name = "POINT", hide = true)]
     pub(crate) crash_at: Option<mayfly_serve::CrashPoint>,
+    /// A directory the files a create names (kernel, initrd, rootfs, snapshot, a template's)
+    /// may be in, each by its own absolute path with no symbolic link: anything else is
+    /// refused (400) unread. Repeat it for more than one. Default: <state-dir>/images.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) images_dir: Vec<PathBuf>,
+    /// What each VMM may hold beside its guest's memory (MiB): every VMM runs in a memory
+    /// cgroup limited to its guest memory and this, and the memory budget counts both.
+    #[arg(long, value_name = "MIB", default_value_t = mayfly_serve::DEFAULT_VMM_ALLOWANCE_MIB,
+          value_parser = clap::value_parser!(u64).range(16..=1 << 20))]
+    pub(crate) vmm_allowance_mib: u64,
+    /// The most each sandbox's console file takes (bytes, or with K, M, G): the rest of its
+    /// guest's output is dropped.
+    #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_console_limit)]
+    pub(crate) console_limit: u64,
+}
+
+/// `--console-limit`: a size, at least 1 KiB.
+pub(crate) fn parse_console_limit(text: &str) -> Result<u64, String> {
+    match crate::error::parse_size(text) {
+        Some(n) if n >= 1024 => Ok(n),
+        Some(_) => Err(format!("{text}: give at least 1K")),
+        None => Err(format!(
+            "{text}: give bytes, or a number with K, M or G (e.g. 64M)"
+        )),
+    }
 }
 
 /// `--template-ttl`: seconds, or none for `never`.
@@ -629,6 +654,16 @@ mod tests {
     fn a_sandbox_boots_with_the_memory_mayfly_run_boots_with() {
         // The manager counts a sandbox that names no memory as this much against its budget.
         assert_eq!(mayfly_serve::DEFAULT_MEM_MIB, DEFAULT_MEM_MIB);
+    }
+
+    #[test]
+    fn the_console_limit_default_is_the_managers() {
+        assert_eq!(
+            parse_console_limit("64M"),
+            Ok(mayfly_serve::DEFAULT_CONSOLE_LIMIT)
+        );
+        assert!(parse_console_limit("1").is_err());
+        assert!(parse_console_limit("lots").is_err());
     }
 
     /// What the two parsers must agree on: every argument a restore reads.

@@ -56,6 +56,13 @@ pub(crate) fn serve_sandboxes(args: ServeArgs) -> ExitCode {
             expire_after_s: args.expire_after,
             template_ttl_s: args.template_ttl.0,
             crash_at: args.crash_at,
+            images_dirs: args
+                .images_dir
+                .iter()
+                .map(|d| std::path::absolute(d).unwrap_or_else(|_| d.clone()))
+                .collect(),
+            vmm_allowance_mib: args.vmm_allowance_mib,
+            console_limit: args.console_limit,
         },
     };
     match mayfly_serve::serve(&config, stop_rx) {

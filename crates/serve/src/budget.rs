@@ -75,8 +75,9 @@ impl MemoryBudget {
         };
         if bytes > budget {
             return Err(ServeError::BadRequest(format!(
-                "{name} needs {} MiB, more than the whole memory budget of {} MiB (mayfly serve \
-                 --mem-budget-mib): give it less memory or the manager a larger budget",
+                "{name} needs {} MiB (its guest memory and its VMM's allowance, mayfly serve \
+                 --vmm-allowance-mib), more than the whole memory budget of {} MiB (mayfly \
+                 serve --mem-budget-mib): give it less memory or the manager a larger budget",
                 bytes >> 20,
                 budget >> 20
             )));
@@ -132,6 +133,41 @@ impl DiskBudget {
             budget,
             writing: Mutex::new(0),
         }
+    }
+
+    /// Whether a VMM for `name` may start: not while what the sandboxes keep (`kept`, their
+    /// snapshots and the disk layers of running ones, asked only with a budget) and what
+    /// suspends under way may write fill the budget already (a running VMM's disk layers
+    /// grow as its guest writes).
+    pub fn check_start(
+        &self,
+        name: &str,
+        metrics: &Metrics,
+        kept: &dyn Fn() -> u64,
+    ) -> Result<(), ServeError> {
+        let Some(budget) = self.budget else {
+            return Ok(());
+        };
+        let in_use = kept().saturating_add(*lock(&self.writing));
+        if in_use >= budget {
+            metrics.over_budget.fetch_add(1, Ordering::Relaxed);
+            return Err(ServeError::OverBudget(format!(
+                "disk budget: sandboxes keep (or are writing) {} MiB, running ones' disk layers \
+                 included, of the {} MiB budget (mayfly serve --disk-budget-mib), so {} cannot \
+                 start: delete a sandbox, or start the manager with a larger budget",
+                in_use >> 20,
+                budget >> 20,
+                name
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether the sandboxes keep more than the budget (`kept`, asked only with a budget).
+    pub fn over(&self, kept: &dyn Fn() -> u64) -> Option<(u64, u64)> {
+        let budget = self.budget?;
+        let kept = kept();
+        (kept >= budget).then_some((kept, budget))
     }
 
     /// Whether sandbox `name` may write a snapshot of `guest_bytes` of memory within the

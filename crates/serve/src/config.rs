@@ -37,6 +37,14 @@ pub struct Policy {
     pub expire_after_s: Option<u64>,
     /// A template no create has used for this long (seconds) is collected; `None`: kept.
     pub template_ttl_s: Option<u64>,
+    /// The directories the files a create names must be in (`--images-dir`); none given:
+    /// `<state-dir>/images`.
+    pub images_dirs: Vec<PathBuf>,
+    /// What each VMM may hold beside its guest's memory (MiB): its memory cgroup's limit is
+    /// guest memory and this, and the memory budget counts both.
+    pub vmm_allowance_mib: u64,
+    /// The most a sandbox's console file takes (bytes; `MAYFLY_CONSOLE_LIMIT` of its VMM).
+    pub console_limit: u64,
     /// Abort the manager right after this step (tests only: `mayfly serve --crash-at`,
     /// hidden), to kill it inside one of the windows the journal covers (see `journal.rs`).
     pub crash_at: Option<CrashPoint>,
@@ -74,6 +82,15 @@ impl std::str::FromStr for CrashPoint {
         }
     }
 }
+
+/// What a VMM may hold beside its guest's memory when not told (`--vmm-allowance-mib`): its
+/// own code, threads, device queues and buffers, with room to spare.
+pub const DEFAULT_VMM_ALLOWANCE_MIB: u64 = 256;
+/// A console file's size when not told (`--console-limit`).
+pub const DEFAULT_CONSOLE_LIMIT: u64 = 64 << 20;
+/// The most a sandbox's VMM log (`vmm.log`, its stdout and stderr) keeps: past it, the idle
+/// watch keeps its last half.
+pub const VMM_LOG_LIMIT: u64 = 4 << 20;
 
 /// The state directory must be absolute: the sandboxes' VMMs are given paths in it.
 pub fn absolute_state_dir(dir: &Path) -> Result<PathBuf, ServeError> {

@@ -11,22 +11,36 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use crate::config::VMM_LOG_LIMIT;
 use crate::manager::Manager;
-use crate::process::Vmm;
+use crate::process::{trim_log, Vmm};
 use crate::records::{Record, State};
 use crate::sandbox::Sandbox;
 use crate::util::{lock, now_ms};
 
 /// How often templates are looked at for collection (at most; sooner with a shorter TTL).
 const TEMPLATE_CHECK_EVERY: Duration = Duration::from_secs(60);
+/// How often the disk the sandboxes keep is measured against the budget (every start
+/// measures it too).
+const DISK_CHECK_EVERY: Duration = Duration::from_secs(5);
 
 impl Manager {
     /// One pass of the idle watch: suspend sandboxes idle past their timeout, notice VMMs
     /// that ended, reap.
     pub fn watch_once(self: &Arc<Self>) {
         self.collect_templates();
+        self.measure_disk();
         let all = self.all();
         for sandbox in all {
+            // A VMM's log is kept under its cap whatever its VMM writes.
+            let log = crate::files::vmm_log(sandbox.dir());
+            if let Ok(true) = trim_log(&log, VMM_LOG_LIMIT) {
+                self.event(
+                    "vmm_log_trimmed",
+                    &sandbox.name,
+                    json!({ "limit": VMM_LOG_LIMIT }),
+                );
+            }
             let view = lock(&sandbox.view).clone();
             if view.state == State::Suspended {
                 self.expire_if_due(&sandbox, &view);
@@ -100,6 +114,30 @@ impl Manager {
                 &sandbox.name,
                 json!({ "error": e.to_string() }),
             ),
+        }
+    }
+
+    /// Measure the disk the sandboxes keep (running ones' disk layers grow as their guests
+    /// write) every few seconds: crossing the budget is an event (starts are refused then,
+    /// see `reserve_memory`), as is coming back under it.
+    fn measure_disk(&self) {
+        {
+            let mut checked = lock(&self.disk_checked);
+            if checked.is_some_and(|t| t.elapsed() < DISK_CHECK_EVERY) {
+                return;
+            }
+            *checked = Some(Instant::now());
+        }
+        let over = self.disk.over(&|| self.disk_in_use());
+        let was = self.disk_over.swap(over.is_some(), Ordering::SeqCst);
+        match over {
+            Some((kept, budget)) if !was => self.event(
+                "disk_over_budget",
+                "",
+                json!({ "disk_bytes": kept, "budget_bytes": budget }),
+            ),
+            None if was => self.event("disk_within_budget", "", json!({})),
+            _ => {}
         }
     }
 

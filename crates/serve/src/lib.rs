@@ -28,7 +28,10 @@
 //! connections, and the tenants 224 in all (the rest are the admin's); a request passed to a
 //! VMM has deadlines, and ends when its client hangs up (see `server.rs` and `routes.rs`).
 //! The admin token is in `<state-dir>/admin.token` (mode 0600, made at the first start); the
-//! socket itself is mode 0600. Everything the manager knows is in the state directory (see
+//! socket itself is mode 0600. What the admin token names for a create (kernel, initrd,
+//! rootfs, snapshot) is read only from the images directories (`--images-dir`, see
+//! `images.rs`); every VMM runs in a memory cgroup of its guest memory and an allowance,
+//! counted so in the memory budget (`cgroup.rs`); its console and log are capped. Everything the manager knows is in the state directory (see
 //! `files.rs` and `records.rs`): `kill -9` of the manager loses nothing, and a new one adopts
 //! the VMMs that still run, after finishing or undoing what the journal (`journal.rs`) says
 //! was in flight. Stopping the manager (SIGTERM, SIGINT) leaves the sandboxes as
@@ -37,10 +40,11 @@
 //! The modules, each importing only from those listed before it (`scripts/check-module-cycles`
 //! holds the line):
 //!
-//! - below everything: `error` (the error type and its HTTP status), `util`, `config`
-//!   (`mayfly serve`'s options), `tokens`, `events` (the event log), `metrics`, `credential`
-//!   (signing and checking credentials), `journal` (the intents a crash must not lose: a
-//!   create, a VMM's start, a fork, a delete, each finished or undone by the next start);
+//! - below everything: `error` (the error type and its HTTP status), `util`, `cgroup` (each
+//!   VMM's memory cgroup), `config` (`mayfly serve`'s options), `tokens`, `events` (the event
+//!   log), `images` (where the files a create names may be), `metrics`, `credential` (signing
+//!   and checking credentials), `journal` (the intents a crash must not lose: a create, a
+//!   VMM's start, a fork, a delete, each finished or undone by the next start);
 //! - what a sandbox is: `template` (a template's spec), `records` (a sandbox's spec, state
 //!   and record on disk), `files` (its directory), `process` (its VMM process), `budget`
 //!   (memory and disk accounting), `sandbox` (the value the manager holds);
@@ -50,10 +54,12 @@
 //! - on top: `fork`, `openapi`, `routes` (HTTP), `server` (the socket).
 
 // Below everything.
+mod cgroup;
 mod config;
 mod credential;
 mod error;
 mod events;
+mod images;
 mod journal;
 mod metrics;
 mod tokens;
@@ -80,7 +86,10 @@ mod openapi;
 mod routes;
 mod server;
 
-pub use config::{absolute_state_dir, CrashPoint, Policy, ServeConfig};
+pub use config::{
+    absolute_state_dir, CrashPoint, Policy, ServeConfig, DEFAULT_CONSOLE_LIMIT,
+    DEFAULT_VMM_ALLOWANCE_MIB,
+};
 pub use error::ServeError;
 pub use openapi::{OPENAPI, ROUTES};
 pub use records::DEFAULT_MEM_MIB;

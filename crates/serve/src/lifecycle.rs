@@ -44,6 +44,18 @@ const MAX_REQUESTS_PER_SANDBOX: usize = 64;
 /// How long a VMM that could not be reached is given to end, before it is taken for alive.
 const VMM_ENDING: Duration = Duration::from_millis(500);
 
+/// A uid a template build runs as, given back to the pool when dropped.
+struct BuildUid<'a> {
+    manager: &'a Manager,
+    uid: u32,
+}
+
+impl Drop for BuildUid<'_> {
+    fn drop(&mut self) {
+        lock(&self.manager.build_uids).remove(&self.uid);
+    }
+}
+
 /// A request in flight for a sandbox: it counts as activity until dropped.
 pub struct Activity<'a> {
     sandbox: &'a Sandbox,
@@ -120,14 +132,19 @@ impl Manager {
             template.no_agent |= spec.no_agent;
         }
         if let Some(template) = &spec.template {
-            // Built (or found) before the name is taken: a build may take a while.
-            let builder_uid = self.jail.then(|| self.uid_base.saturating_sub(1).max(1));
+            // Built (or found) before the name is taken: a build may take a while. A build
+            // runs as a uid of its own from the sandboxes' pool, given back when it is over.
+            let builder = if self.jail {
+                Some(self.take_build_uid()?)
+            } else {
+                None
+            };
             let reserve = |name: &str, bytes| self.reserve_memory(name, bytes);
             spec.snapshot = Some(self.templates.snapshot_for(
                 &self.launcher(&reserve),
                 &self.events,
                 template,
-                builder_uid,
+                builder.as_ref().map(|b| b.uid),
             )?);
         }
         let token = new_token("mfs_")?;
@@ -143,15 +160,7 @@ impl Manager {
                 )));
             }
             let uid = if self.jail {
-                let taken: std::collections::BTreeSet<u32> =
-                    all.values().filter_map(|s| s.uid).collect();
-                Some(
-                    (self.uid_base..u32::MAX)
-                        .find(|uid| !taken.contains(uid))
-                        .ok_or_else(|| {
-                            ServeError::Conflict("no uid is left for a new sandbox".into())
-                        })?,
-                )
+                Some(self.free_uid(&all)?)
             } else {
                 None
             };
@@ -252,6 +261,35 @@ impl Manager {
         Ok((self.describe(&sandbox), token))
     }
 
+    /// Refuse (400) a create from a request whose files are not in this manager's images
+    /// directories (see [`crate::images`]): its snapshot, kernel, initrd and root filesystem
+    /// image, and its template's. A fork's clones (made from a base of the manager's own)
+    /// are not requests.
+    pub fn confine(&self, spec: &Spec) -> Result<(), ServeError> {
+        if let Some(snapshot) = &spec.snapshot {
+            self.images.check_snapshot(snapshot)?;
+        }
+        let template = spec.template.as_ref();
+        let image =
+            |rootfs: Option<&String>| rootfs.filter(|r| r.as_str() != "debian").map(PathBuf::from);
+        for (what, path) in [
+            ("kernel", spec.kernel.clone()),
+            ("initrd", spec.initrd.clone()),
+            ("rootfs", image(spec.rootfs.as_ref())),
+            ("template.kernel", template.and_then(|t| t.kernel.clone())),
+            ("template.initrd", template.and_then(|t| t.initrd.clone())),
+            (
+                "template.rootfs",
+                image(template.and_then(|t| t.rootfs.as_ref())),
+            ),
+        ] {
+            if let Some(path) = path {
+                self.images.check_file(what, &path)?;
+            }
+        }
+        Ok(())
+    }
+
     /// What starting a VMM takes from this manager, its memory budget held through `reserve`.
     fn launcher<'a, 'r>(
         &'a self,
@@ -262,7 +300,19 @@ impl Manager {
             state_dir: &self.dir,
             reserve,
             crash_after_spawn: self.crash_at == Some(CrashPoint::AfterSpawn),
+            allowance: self.allowance,
+            groups: &self.groups,
+            console_limit: self.console_limit,
         }
+    }
+
+    /// A uid for a template build: the lowest of the sandboxes' pool no sandbox and no other
+    /// build has, held until the returned guard drops.
+    fn take_build_uid(&self) -> Result<BuildUid<'_>, ServeError> {
+        let all = lock(&self.sandboxes);
+        let uid = self.free_uid(&all)?;
+        lock(&self.build_uids).insert(uid);
+        Ok(BuildUid { manager: self, uid })
     }
 
     /// Start a sandbox's VMM (a boot, or a restore of its own snapshot when `wake`) within the
@@ -279,10 +329,14 @@ impl Manager {
         sandbox.start_vmm(&self.launcher(&reserve), spec, jail_uid, wake, persist)
     }
 
-    /// Hold `bytes` of the memory budget for `name`'s VMM about to start (see
+    /// What every VMM start (a create, a wake, a fork's clone, a template build) passes:
+    /// the disk budget not spent already (what sandboxes keep, running ones' disk layers
+    /// included, measured now), then `bytes` of the memory budget held for `name`'s VMM (see
     /// [`crate::budget::MemoryBudget::reserve`]); with make-room, the longest-idle running
     /// sandboxes are put to sleep first.
     pub(crate) fn reserve_memory(&self, name: &str, bytes: u64) -> Reserved<'_> {
+        self.disk
+            .check_start(name, &self.metrics, &|| self.disk_in_use())?;
         self.memory.reserve(
             name,
             bytes,
@@ -316,7 +370,12 @@ impl Manager {
             .collect();
         let freeable = candidates
             .iter()
-            .map(|(_, s)| lock(&s.view).guest_bytes.unwrap_or(0))
+            .map(|(_, s)| {
+                lock(&s.view)
+                    .guest_bytes
+                    .unwrap_or(0)
+                    .saturating_add(self.allowance)
+            })
             .fold(0u64, u64::saturating_add);
         if freeable < shortfall {
             return None;
@@ -752,6 +811,10 @@ impl Manager {
         sandbox.save(&inner)?;
         if let Some(mut vmm) = inner.vmm.take() {
             vmm.kill();
+        }
+        // Its memory cgroup, whoever started its VMM (an adopted one's is still there).
+        if let Some(group) = self.groups.path(&sandbox.name) {
+            crate::cgroup::remove(&group);
         }
         // The record first: from here on the directory is no sandbox's.
         let record = sandbox.dir().join(RECORD);

@@ -13,11 +13,13 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::budget::{DiskBudget, MemoryBudget};
+use crate::cgroup::MemoryGroups;
 use crate::config::{CrashPoint, Policy};
 use crate::credential::{Claims, Keys, GUEST_PATH};
 use crate::error::ServeError;
 use crate::events::EventLog;
 use crate::files::disk_bytes;
+use crate::images::Images;
 use crate::journal::Journal;
 use crate::metrics::{Gauges, Metrics};
 use crate::process::rss_tree_bytes;
@@ -41,9 +43,23 @@ pub struct Manager {
     pub(crate) mayfly: PathBuf,
     /// Whether new sandboxes are jailed (the default; `mayfly serve --no-jail` turns it off).
     pub(crate) jail: bool,
-    /// Jailed sandboxes run as uids from here on, one each (templates are built as the one
-    /// below it).
+    /// Jailed sandboxes and template builds run as uids from here on, one each.
     pub(crate) uid_base: u32,
+    /// The uids template builds under way run as (the sandboxes' are in their records).
+    pub(crate) build_uids: Mutex<std::collections::BTreeSet<u32>>,
+    /// Where the files a create names may be (`--images-dir`).
+    pub(crate) images: Images,
+    /// The VMMs' memory cgroups.
+    pub(crate) groups: MemoryGroups,
+    /// What each VMM may hold beside its guest memory, bytes (`--vmm-allowance-mib`).
+    pub(crate) allowance: u64,
+    /// `--console-limit`, bytes.
+    pub(crate) console_limit: u64,
+    /// Whether the disk was found over its budget at the last measure (the idle watch
+    /// measures it every few seconds).
+    pub(crate) disk_over: std::sync::atomic::AtomicBool,
+    /// When the disk was last measured by the idle watch.
+    pub(crate) disk_checked: Mutex<Option<Instant>>,
     pub(crate) templates: Templates,
     admin_hash: String,
     pub(crate) sandboxes: Mutex<BTreeMap<String, Arc<Sandbox>>>,
@@ -85,11 +101,47 @@ impl Manager {
             }
         };
         let events = EventLog::open(&dir.join("events.jsonl"))?;
+        let images_dirs = if policy.images_dirs.is_empty() {
+            // The default: made (root's, 0755) so that the operator only has to fill it.
+            let default = dir.join("images");
+            if !default.is_dir() {
+                std::fs::create_dir(&default).map_err(io_error("make", &default))?;
+                std::fs::set_permissions(&default, std::fs::Permissions::from_mode(0o755))
+                    .map_err(io_error("set the mode of", &default))?;
+            }
+            vec![default]
+        } else {
+            policy.images_dirs.clone()
+        };
+        for images in &images_dirs {
+            if !images.is_absolute() || !images.is_dir() {
+                return Err(ServeError::BadRequest(format!(
+                    "--images-dir {}: give the absolute path of a directory that exists",
+                    images.display()
+                )));
+            }
+        }
+        let groups = MemoryGroups::find(dir);
+        groups.sweep();
+        if !groups.available() {
+            events.write(
+                "no_memory_limit",
+                "",
+                json!({ "why": "this host gives the manager no memory cgroup controller                     (cgroup v2 with memory, or cgroup v1's memory hierarchy): its VMMs run                     without a memory limit of their own" }),
+            );
+        }
         Ok(Manager {
             dir: dir.to_path_buf(),
             mayfly,
             jail: policy.jail,
             uid_base: policy.jail_uid_base,
+            build_uids: Mutex::new(std::collections::BTreeSet::new()),
+            images: Images::new(images_dirs),
+            groups,
+            allowance: policy.vmm_allowance_mib.saturating_mul(1 << 20),
+            console_limit: policy.console_limit,
+            disk_over: std::sync::atomic::AtomicBool::new(false),
+            disk_checked: Mutex::new(None),
             templates: Templates::new(dir),
             admin_hash: hash_token(&admin),
             sandboxes: Mutex::new(BTreeMap::new()),
@@ -179,16 +231,38 @@ impl Manager {
         }
     }
 
-    /// Guest memory held by sandboxes whose VMM runs (starting, running, suspending or
-    /// being woken: whenever its record has a pid), bytes, from their root-owned records.
+    /// Memory held by sandboxes whose VMM runs (starting, running, suspending or being
+    /// woken: whenever its record has a pid), bytes, from their root-owned records: each its
+    /// guest memory and the VMM's allowance (what its memory cgroup allows).
     pub fn memory_in_use(&self) -> u64 {
         let all = self.all();
         all.iter()
             .filter_map(|sandbox| {
                 let view = lock(&sandbox.view);
-                view.pid.map(|_| view.guest_bytes.unwrap_or(0))
+                view.pid
+                    .map(|_| view.guest_bytes.unwrap_or(0).saturating_add(self.allowance))
             })
             .fold(0u64, u64::saturating_add)
+    }
+
+    /// The lowest uid from the base that no sandbox (in `all`, the map under its lock) and
+    /// no template build has.
+    pub(crate) fn free_uid(&self, all: &BTreeMap<String, Arc<Sandbox>>) -> Result<u32, ServeError> {
+        let builds = lock(&self.build_uids);
+        let taken: std::collections::BTreeSet<u32> = all
+            .values()
+            .filter_map(|s| s.uid)
+            .chain(builds.iter().copied())
+            .collect();
+        (self.uid_base..u32::MAX)
+            .find(|uid| !taken.contains(uid))
+            .ok_or_else(|| {
+                ServeError::Conflict(
+                    "no uid is left for a new sandbox or template build: delete sandboxes, or \
+                     start the manager with a lower --jail-uid-base"
+                        .into(),
+                )
+            })
     }
 
     /// What the sandboxes keep on disk, bytes (each file once, however many links it has).

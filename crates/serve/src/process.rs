@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::cgroup::{self, MemoryGroups};
 use crate::error::ServeError;
 use crate::records::Record;
 use crate::util::io_error;
@@ -34,6 +35,9 @@ pub struct Vmm {
     pidfd: OwnedFd,
     /// Set when this manager started it (then it reaps it); an adopted VMM's parent is gone.
     child: Option<Child>,
+    /// Its memory cgroup, removed once it has exited (an adopted VMM's is removed by the
+    /// next start of its sandbox).
+    cgroup: Option<std::path::PathBuf>,
 }
 
 /// Whether `fd` becomes readable within `timeout` (a pidfd does once its process exited).
@@ -58,6 +62,9 @@ impl Vmm {
         if gone {
             if let Some(child) = &mut self.child {
                 let _ = child.wait();
+            }
+            if let Some(dir) = self.cgroup.take() {
+                cgroup::remove(&dir);
             }
         }
         gone
@@ -118,6 +125,7 @@ pub fn find_process(record: &Record) -> Option<Vmm> {
         pid,
         pidfd,
         child: None,
+        cgroup: None,
     })
 }
 
@@ -215,6 +223,7 @@ impl VmmsBySocket {
                 pid,
                 pidfd,
                 child: None,
+                cgroup: None,
             }
             .kill();
             ended.push(pid);
@@ -257,6 +266,39 @@ pub fn log_tail(path: &Path) -> String {
     } else {
         tail
     }
+}
+
+/// Keep a VMM's log at most `limit` bytes: past it, its last half is kept behind a line
+/// saying how much went (the VMM appends to it, so it writes on at the new end). What the
+/// VMM writes while the tail is copied may be lost; the log is a diagnostic. Returns whether
+/// it was trimmed.
+pub fn trim_log(path: &Path, limit: u64) -> std::io::Result<bool> {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    let len = file.metadata()?.len();
+    if len <= limit {
+        return Ok(false);
+    }
+    let keep = limit / 2;
+    file.seek(SeekFrom::Start(len - keep))?;
+    let mut tail = Vec::with_capacity(usize::try_from(keep).unwrap_or(0));
+    std::io::Read::by_ref(&mut file)
+        .take(keep)
+        .read_to_end(&mut tail)?;
+    let line = format!(
+        "[mayfly serve: this log reached {limit} bytes; the first {} were dropped]\n",
+        len - keep
+    );
+    // Written over its start, then cut after: a reader never finds it empty.
+    file.seek(SeekFrom::Start(0))?;
+    file.write_all(line.as_bytes())?;
+    file.write_all(&tail)?;
+    file.set_len(line.len() as u64 + tail.len() as u64)?;
+    Ok(true)
 }
 
 /// A VMM's log, opened to append to: its stdout and its stderr.
@@ -307,6 +349,12 @@ pub struct Launch<'a> {
     pub jail_uid: Option<u32>,
     /// Abort the manager right after the VMM is started (`--crash-at after-spawn`; tests).
     pub crash_after_spawn: bool,
+    /// The most memory it may hold, guest and VMM (its memory cgroup's limit), bytes.
+    pub memory_limit: u64,
+    /// Where its memory cgroup is made.
+    pub groups: &'a MemoryGroups,
+    /// The most its console file takes (`MAYFLY_CONSOLE_LIMIT`), bytes.
+    pub console_limit: u64,
 }
 
 /// Start a VMM and wait for its control socket to answer. `persist` is given its pid and
@@ -343,7 +391,14 @@ pub fn launch(
         .arg(how.console)
         .arg("--disk-dir")
         .arg(how.vm_dir.join("disks"));
+    let group = how.groups.make(how.name, how.memory_limit)?;
     if let Some(uid) = how.jail_uid {
+        // A jailed VMM moves to its jail's own cgroup v2 group: the limit goes there too.
+        if group.as_ref().is_some_and(|g| g.v2) {
+            command
+                .arg("--jail-memory-mib")
+                .arg(how.memory_limit.div_ceil(1 << 20).to_string());
+        }
         // Its `vm/` is all it shares: its snapshot goes there when it sleeps.
         command
             .arg("--jail")
@@ -360,9 +415,29 @@ pub fn launch(
         .stdin(Stdio::null())
         .stdout(log.out)
         .stderr(log.err)
+        .env("MAYFLY_CONSOLE_LIMIT", how.console_limit.to_string())
         // Its own process group: a Ctrl-C meant for the manager does not stop its VMs.
         .process_group(0);
-    let child = command.spawn().map_err(io_error("start", how.mayfly))?;
+    if let Some(group) = &group {
+        let procs = std::os::fd::AsRawFd::as_raw_fd(&group.procs);
+        // SAFETY: between fork and exec the closure only calls write(2) (async-signal-safe)
+        // on a descriptor the parent holds open until spawn returns, with a static buffer.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::write(procs, b"0".as_ptr().cast(), 1) == 1 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
+    }
+    let child = command.spawn().map_err(|e| {
+        if let Some(group) = &group {
+            cgroup::remove(&group.dir);
+        }
+        io_error("start", how.mayfly)(e)
+    })?;
     let pid = child.id();
     if how.crash_after_spawn {
         eprintln!("mayfly serve: --crash-at after-spawn: aborting (VMM pid {pid} not saved)");
@@ -380,6 +455,7 @@ pub fn launch(
         pid,
         pidfd,
         child: Some(child),
+        cgroup: group.map(|g| g.dir),
     };
     // Saved before anything else: a manager killed from here on finds this process in
     // the record (and ends or adopts it) instead of leaving it running unowned.

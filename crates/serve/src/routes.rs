@@ -479,6 +479,9 @@ fn create(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<(
             ),
         )
     })?;
+    // What the admin names is read by root before any jail: only files in the images
+    // directories, reached without links, and checked before anything else looks at them.
+    manager.confine(&spec)?;
     let (mut described, token) = manager.create(&name, spec, token_ttl_s)?;
     if let Some(object) = described.as_object_mut() {
         object.insert("token".into(), Value::String(token));

@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use serde_json::{json, Value};
 
 use crate::budget::Reserved;
+use crate::cgroup::MemoryGroups;
 use crate::error::ServeError;
 use crate::files::{self, check_plain, BASE};
 use crate::process::{self, Launch, Start, Vmm};
@@ -43,14 +44,20 @@ pub struct Sandbox {
 
 /// What starting a VMM takes from whoever starts it (the manager): the mayfly binary, the
 /// state directory (a snapshot under it was written by a VMM, and is checked before a
-/// restore), and the memory budget: `reserve` holds a start's guest memory (by the name of
-/// what starts) until the start is over.
+/// restore), and the memory budget: `reserve` holds a start's memory (guest memory and the
+/// VMM's allowance, by the name of what starts) until the start is over; the limits every
+/// VMM gets (its memory cgroup, its console's size).
 pub struct Launcher<'a, 'r> {
     pub mayfly: &'a Path,
     pub state_dir: &'a Path,
     pub reserve: &'a dyn Fn(&str, u64) -> Reserved<'r>,
     /// Abort right after a VMM is started (`--crash-at after-spawn`; tests).
     pub crash_after_spawn: bool,
+    /// What a VMM may hold beside its guest's memory (`--vmm-allowance-mib`), bytes.
+    pub allowance: u64,
+    pub groups: &'a MemoryGroups,
+    /// `--console-limit`, bytes.
+    pub console_limit: u64,
 }
 
 impl Sandbox {
@@ -227,7 +234,10 @@ impl Sandbox {
                 .unwrap_or(DEFAULT_MEM_MIB)
                 .saturating_mul(1 << 20),
         };
-        let _reservation = (launcher.reserve)(&self.name, guest_bytes)?;
+        // The budget counts, and the VMM's memory cgroup allows, its guest memory and the
+        // VMM's own allowance.
+        let memory_limit = guest_bytes.saturating_add(launcher.allowance);
+        let _reservation = (launcher.reserve)(&self.name, memory_limit)?;
         let start = match &restore_from {
             Some(snapshot) => {
                 // A snapshot the manager keeps was written by a VMM (jailed, perhaps
@@ -257,6 +267,9 @@ impl Sandbox {
             vm_dir: &vm_dir,
             jail_uid,
             crash_after_spawn: launcher.crash_after_spawn,
+            memory_limit,
+            groups: launcher.groups,
+            console_limit: launcher.console_limit,
         };
         process::launch(&how, log, &mut |pid, start| {
             persist(pid, start, guest_bytes)

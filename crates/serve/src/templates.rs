@@ -103,6 +103,7 @@ impl Templates {
                 "template": key,
                 "ms": start.elapsed().as_secs_f64() * 1e3,
                 "setup_commands": template.setup.len(),
+                "uid": jail_uid,
             }),
         );
         Ok(snapshot)
@@ -207,6 +208,10 @@ fn build(
     // The builder's VMM ran the setup commands' guest: what it wrote is checked and made
     // root's and read-only before any sandbox restores it.
     seal(&files::snapshot_dir(dir))?;
+    // Its uid goes back to the pool (a sandbox may get it next): nothing of the template
+    // stays its.
+    let vm = files::vm_dir(dir);
+    std::os::unix::fs::lchown(&vm, Some(0), Some(0)).map_err(io_error("make root's", &vm))?;
     write_atomically(
         &dir.join("template.json"),
         &serde_json::to_vec_pretty(&json!({ "key": key, "template": template }))

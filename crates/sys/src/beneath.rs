@@ -13,6 +13,25 @@ use std::path::{Path, PathBuf};
 /// the real path it resolved to. `name` may hold symbolic links only as long as every one
 /// resolves inside `dir`.
 pub fn open(dir: &Path, name: &Path) -> std::io::Result<(File, PathBuf)> {
+    open_resolving(
+        dir,
+        name,
+        libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS,
+    )
+}
+
+/// Open `name` (relative) beneath `dir` as [`open`] does, but following no symbolic link at
+/// all, not even one that stays inside: for paths someone names that must be exactly what
+/// they say (an admin's kernel or snapshot in an images directory).
+pub fn open_no_links(dir: &Path, name: &Path) -> std::io::Result<(File, PathBuf)> {
+    open_resolving(
+        dir,
+        name,
+        libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS,
+    )
+}
+
+fn open_resolving(dir: &Path, name: &Path, resolve: u64) -> std::io::Result<(File, PathBuf)> {
     let invalid =
         |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, what.to_owned());
     if name.is_absolute() {
@@ -25,7 +44,7 @@ pub fn open(dir: &Path, name: &Path) -> std::io::Result<(File, PathBuf)> {
     let how: [u64; 3] = [
         u64::try_from(libc::O_RDONLY | libc::O_CLOEXEC).unwrap_or(0),
         0,
-        libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS,
+        resolve,
     ];
     // SAFETY: openat2 with a directory we hold open, a NUL-terminated name and an open_how of
     // the size passed; the result is checked.
