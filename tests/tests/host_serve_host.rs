@@ -361,3 +361,96 @@ fn each_template_build_runs_as_a_uid_of_its_own_from_the_pool() {
         );
     }
 }
+
+/// Class 8: a snapshot in an images directory is refused (400) when its state names a disk
+/// base outside the images directories: the VMM would open it as root and hand it to the
+/// guest (its recorded identity is the state's own, so it matches). Nothing is started.
+#[test]
+fn a_snapshot_whose_state_names_a_disk_base_outside_the_images_directories_is_refused() {
+    let dir = TestDir::new("serve-snapshot-base");
+    // A real snapshot of a VM with a disk, its base in the test's (images) directory.
+    let base = dir.join("base.img");
+    std::fs::write(&base, vec![7u8; 8 << 20]).unwrap();
+    let sock = dir.join("d.sock");
+    let mut vm = probe::boot_with(64, &sock, "d", &["--disk", base.to_str().unwrap()]);
+    assert_eq!(
+        mayfly_tests::guest::request(&sock, "PUT", "/vm/pause", None).0,
+        204
+    );
+    let snap = dir.join("snap");
+    let (status, body) =
+        mayfly_tests::guest::request(&sock, "PUT", "/vm/snapshot", Some(json!({ "path": snap })));
+    assert_eq!(status, 200, "{body}");
+    vm.signal(libc::SIGTERM);
+    vm.wait_exit(Duration::from_secs(60));
+    // The base moves out of the images directories (a rename keeps the identity the state
+    // recorded), and the state says it is there: as if it named a host file of its choosing.
+    let outside = dir.0.parent().unwrap().join(format!(
+        "{}-outside.img",
+        dir.0.file_name().unwrap().to_string_lossy()
+    ));
+    std::fs::rename(&base, &outside).unwrap();
+    let bytes = std::fs::read(snap.join("state")).unwrap();
+    let (header, mut state): (mayfly_snapshot::Header, mayfly_snapshot::VmState) =
+        mayfly_snapshot::file::decode(&bytes, "state").unwrap();
+    let mut disks = 0;
+    for device in &mut state.devices.virtio {
+        if let mayfly_devices::state::VirtioKindState::Block(block) = &mut device.device {
+            block.chain.base = outside.clone();
+            disks += 1;
+        }
+    }
+    assert_eq!(disks, 1);
+    std::fs::write(
+        snap.join("state"),
+        mayfly_snapshot::file::encode(&header, &state).unwrap(),
+    )
+    .unwrap();
+
+    let m = Manager::start(&dir);
+    let (status, body) = m.admin(
+        "POST",
+        "/sandboxes",
+        Some(json!({ "name": "a", "snapshot": snap })),
+    );
+    let _ = std::fs::remove_file(&outside);
+    assert_eq!(status, 400, "{body}");
+    let error = body["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("--images-dir") && error.contains("base"),
+        "{error}"
+    );
+    assert_eq!(events_of(&m, "create_failed").len(), 0);
+    assert!(!m.state.join("sandboxes/a").exists());
+}
+
+/// Class 8: a FIFO named as a create's kernel is refused (400) at once: the manager's check
+/// does not wait in `open` for a writer that never comes.
+#[test]
+fn a_fifo_named_as_a_kernel_is_refused_at_once() {
+    let dir = TestDir::new("serve-fifo");
+    let m = Manager::start(&dir);
+    let fifo = dir.join("kernel-fifo");
+    let name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo with a NUL-terminated path; the result is checked.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+    let (sock, admin) = (m.sock.clone(), m.admin.clone());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let answer = mayfly_tests::serve::call(
+            &sock,
+            Some(&admin),
+            "POST",
+            "/sandboxes",
+            Some(json!({ "name": "a", "kernel": fifo, "probe": true })),
+        );
+        let _ = tx.send(answer);
+    });
+    let (status, body) = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the create naming a FIFO got no answer: the manager waits in open");
+    assert_eq!(status, 400, "{body}");
+    let error = body["error"].as_str().unwrap_or_default();
+    assert!(error.contains("not a regular file"), "{error}");
+    assert!(!m.state.join("sandboxes/a").exists());
+}

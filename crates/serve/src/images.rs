@@ -7,6 +7,8 @@
 
 use std::path::{Component, Path, PathBuf};
 
+use mayfly_devices::state::VirtioKindState;
+
 use crate::error::ServeError;
 
 /// The most entries a snapshot directory may hold (a snapshot has a handful; a tree of
@@ -121,7 +123,49 @@ impl Images {
                  files",
                 path.display()
             ))
-        })
+        })?;
+        self.check_state(path)
+    }
+
+    /// The files a snapshot's state names by full path (its disks' bases, disk layers and
+    /// memory layers kept outside it): the VMM restoring it opens them as root, checking only
+    /// that they match what the same state recorded, so each must pass [`Self::check_file`].
+    /// Names relative to the snapshot are opened beneath it by the VMM.
+    fn check_state(&self, snapshot: &Path) -> Result<(), ServeError> {
+        let shown = snapshot.join(mayfly_snapshot::STATE_FILE);
+        let (file, _) = self.open("snapshot", &shown)?;
+        let unreadable = |problem: String| {
+            ServeError::BadRequest(format!(
+                "\"snapshot\": {}: {problem}: a snapshot's state is the file `mayfly snapshot` \
+                 writes",
+                shown.display()
+            ))
+        };
+        let meta = file
+            .metadata()
+            .map_err(|e| unreadable(format!("cannot check it: {e}")))?;
+        if !meta.is_file() {
+            return Err(unreadable("not a regular file".into()));
+        }
+        let (_, state): (_, mayfly_snapshot::VmState) =
+            mayfly_snapshot::read_state(&file, &shown).map_err(|e| unreadable(e.to_string()))?;
+        for device in &state.devices.virtio {
+            let VirtioKindState::Block(block) = &device.device else {
+                continue;
+            };
+            let serial = &block.serial;
+            self.check_file(
+                &format!("snapshot: the base of disk {serial}"),
+                &block.chain.base,
+            )?;
+            for layer in block.chain.layers.iter().filter(|l| l.is_absolute()) {
+                self.check_file(&format!("snapshot: a layer of disk {serial}"), layer)?;
+            }
+        }
+        for layer in state.memory_layers.iter().filter(|l| l.path.is_absolute()) {
+            self.check_file("snapshot: memory layer", &layer.path)?;
+        }
+        Ok(())
     }
 }
 
@@ -167,7 +211,9 @@ mod tests {
         std::os::unix::fs::symlink("kernel", images.join("near")).unwrap();
         let check = Images::new(vec![images.clone()]);
         assert!(check.check_file("kernel", &images.join("kernel")).is_ok());
-        assert!(check.check_snapshot(&images.join("snap")).is_ok());
+        // A tree of plain files is not yet a snapshot: its state is read for the files it names.
+        let e = check.check_snapshot(&images.join("snap")).unwrap_err();
+        assert!(e.to_string().contains("state"), "{e}");
         for bad in [
             root.join("secret"),
             images.join("out"),

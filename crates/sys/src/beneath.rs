@@ -22,16 +22,28 @@ pub fn open(dir: &Path, name: &Path) -> std::io::Result<(File, PathBuf)> {
 
 /// Open `name` (relative) beneath `dir` as [`open`] does, but following no symbolic link at
 /// all, not even one that stays inside: for paths someone names that must be exactly what
-/// they say (an admin's kernel or snapshot in an images directory).
+/// they say (an admin's kernel or snapshot in an images directory). Opened non-blocking, so
+/// a FIFO or a device there does not hold the caller in `open`: check its type before
+/// reading (a regular file reads the same either way).
 pub fn open_no_links(dir: &Path, name: &Path) -> std::io::Result<(File, PathBuf)> {
-    open_resolving(
+    open_how(
         dir,
         name,
+        libc::O_NONBLOCK,
         libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS,
     )
 }
 
 fn open_resolving(dir: &Path, name: &Path, resolve: u64) -> std::io::Result<(File, PathBuf)> {
+    open_how(dir, name, 0, resolve)
+}
+
+fn open_how(
+    dir: &Path,
+    name: &Path,
+    flags: libc::c_int,
+    resolve: u64,
+) -> std::io::Result<(File, PathBuf)> {
     let invalid =
         |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, what.to_owned());
     if name.is_absolute() {
@@ -42,7 +54,7 @@ fn open_resolving(dir: &Path, name: &Path, resolve: u64) -> std::io::Result<(Fil
         CString::new(name.as_os_str().as_bytes()).map_err(|_| invalid("a name with a NUL byte"))?;
     // struct open_how (linux/openat2.h): flags, mode, resolve, three u64s.
     let how: [u64; 3] = [
-        u64::try_from(libc::O_RDONLY | libc::O_CLOEXEC).unwrap_or(0),
+        u64::try_from(libc::O_RDONLY | libc::O_CLOEXEC | flags).unwrap_or(0),
         0,
         resolve,
     ];
