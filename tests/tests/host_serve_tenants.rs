@@ -522,3 +522,31 @@ fn a_name_is_measured_by_the_socket_path_its_vmm_binds() {
     let (status, body) = m.admin("POST", "/sandboxes", Some(spec(&"f".repeat(fits))));
     assert_eq!(status, 201, "{body}");
 }
+
+#[test]
+fn connections_that_never_send_their_request_cannot_take_the_managers_connections_from_the_admin() {
+    let dir = TestDir::new("tenants-unread");
+    let m = Manager::start(&dir);
+    // Every connection the manager serves at once, each trickling a request head it never
+    // finishes (as a slow client would, or one meaning harm).
+    let trickling: Vec<UnixStream> = (0..256)
+        .map(|_| {
+            let mut stream = UnixStream::connect(&m.sock).unwrap();
+            stream.write_all(b"GET /sandboxes HTTP/1.1\r\n").unwrap();
+            stream
+        })
+        .collect();
+    wait_until("the manager serves them", Duration::from_secs(30), || {
+        serving(&m) >= 200
+    });
+    // The admin's list answers at once all the same (these hold their connections up to 30 s).
+    let started = Instant::now();
+    let (status, body) = m.admin("GET", "/sandboxes", None);
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the admin waited {:?}",
+        started.elapsed()
+    );
+    drop(trickling);
+}

@@ -7,8 +7,10 @@
 //! cgroup v2 where its hierarchy has the memory controller (`memory.max`, no swap), else the
 //! cgroup v1 memory hierarchy (`memory.limit_in_bytes`, and `memory.memsw.limit_in_bytes`
 //! where swap is accounted), as hybrid hosts still have it. The groups are
-//! `<v2>/mayfly-serve/<manager>-<name>`, or under the manager's own v1 memory group
-//! (`.../mayfly-serve/<manager>-<name>`), `<manager>` a hash of the state directory.
+//! `<v2>/mayfly-serve/<manager>-<group>`, or under the manager's own v1 memory group
+//! (`.../mayfly-serve/<manager>-<group>`), `<manager>` a hash of the state directory,
+//! `<group>` `s-<name>` for a sandbox and `t-template-<key>` for a template's build (see
+//! [`crate::sandbox::Sandbox::group`]).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -31,6 +33,8 @@ enum Kind {
 #[derive(Clone, Debug)]
 pub struct MemoryGroups {
     kind: Option<Kind>,
+    /// Why the VMMs have no memory limit, when they have none.
+    unavailable: Option<String>,
     /// Tells this manager's groups from another's on the host.
     tag: String,
 }
@@ -77,10 +81,7 @@ impl MemoryGroups {
                 .is_ok_and(|c| c.split_whitespace().any(|c| c == "memory"))
         });
         if let Some((_, point, _)) = v2 {
-            return MemoryGroups {
-                kind: Some(Kind::V2(point)),
-                tag,
-            };
+            return MemoryGroups::probed(Some(Kind::V2(point)), tag);
         }
         // v1: the manager's own memory group, as /proc/self/cgroup names it, under the
         // mount (whose root may be a group itself, in a container).
@@ -107,15 +108,47 @@ impl MemoryGroups {
                     .to_owned();
                 point.join(relative)
             });
-        MemoryGroups {
-            kind: v1.map(Kind::V1),
-            tag,
+        MemoryGroups::probed(v1.map(Kind::V1), tag)
+    }
+
+    /// The groups under `kind`, if the manager can make them there: its own group made and
+    /// (cgroup v2) the memory controller handed down to it, once, here. A host that lists
+    /// the controller but does not let the manager use it (a read-only /sys/fs/cgroup, as in
+    /// a container; EBUSY in a cgroup namespace whose root holds processes) runs its VMMs
+    /// without a memory limit, and says why, instead of refusing every launch.
+    fn probed(kind: Option<Kind>, tag: String) -> MemoryGroups {
+        let Some(kind) = kind else {
+            return MemoryGroups {
+                kind: None,
+                unavailable: Some(
+                    "this host gives the manager no memory cgroup controller (cgroup v2 with \
+                     memory, or cgroup v1's memory hierarchy)"
+                        .into(),
+                ),
+                tag,
+            };
+        };
+        match prepare(&kind) {
+            Ok(()) => MemoryGroups {
+                kind: Some(kind),
+                unavailable: None,
+                tag,
+            },
+            Err(e) => MemoryGroups {
+                kind: None,
+                unavailable: Some(format!(
+                    "the host has a memory cgroup controller, but the manager cannot use it: \
+                     {e} (give it a writable cgroup hierarchy, with memory delegated, for \
+                     limits)"
+                )),
+                tag,
+            },
         }
     }
 
-    /// Whether the host gives the manager a memory controller.
-    pub fn available(&self) -> bool {
-        self.kind.is_some()
+    /// Why the VMMs run without a memory limit of their own, if they do.
+    pub fn unavailable(&self) -> Option<&str> {
+        self.unavailable.as_deref()
     }
 
     /// What the groups are under.
@@ -125,9 +158,10 @@ impl MemoryGroups {
         }
     }
 
-    /// The group of the VMM `name` (made or not).
-    pub fn path(&self, name: &str) -> Option<PathBuf> {
-        Some(self.parent()?.join(format!("{}-{name}", self.tag)))
+    /// The group named `group` (a sandbox's `s-<name>`, a template build's `t-<name>`), made
+    /// or not.
+    pub fn path(&self, group: &str) -> Option<PathBuf> {
+        Some(self.parent()?.join(format!("{}-{group}", self.tag)))
     }
 
     /// Remove this manager's groups that hold no process any more (left by VMMs that ended
@@ -148,26 +182,15 @@ impl MemoryGroups {
         }
     }
 
-    /// Make (or remake) the memory group of the VMM `name`, limited to `bytes`; `None` when
-    /// the host has no memory controller.
-    pub fn make(&self, name: &str, bytes: u64) -> Result<Option<Group>, ServeError> {
-        let (Some(kind), Some(parent), Some(dir)) = (&self.kind, self.parent(), self.path(name))
-        else {
+    /// Make (or remake) the memory group named `group` (see [`MemoryGroups::path`]), limited
+    /// to `bytes`; `None` when the manager has no memory controller to use.
+    pub fn make(&self, group: &str, bytes: u64) -> Result<Option<Group>, ServeError> {
+        let (Some(kind), Some(dir)) = (&self.kind, self.path(group)) else {
             return Ok(None);
         };
-        match std::fs::create_dir(&parent) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(io_error("make the memory cgroup", &parent)(e)),
-        }
-        if let Kind::V2(mount) = kind {
-            // The controller handed down: root → mayfly-serve/ → the VMM's group.
-            for group in [mount, &parent] {
-                let file = group.join("cgroup.subtree_control");
-                std::fs::write(&file, "+memory").map_err(io_error("enable memory in", &file))?;
-            }
-        }
-        // A group left by an earlier VMM of that name (a manager killed meanwhile) is made
+        // Done at the start already; again in case the group was removed meanwhile.
+        prepare(kind)?;
+        // A group left by an earlier VMM of that group (a manager killed meanwhile) is made
         // again; one that still holds a process keeps it and gets the new limit.
         let _ = std::fs::remove_dir(&dir);
         match std::fs::create_dir(&dir) {
@@ -223,6 +246,25 @@ impl MemoryGroups {
     }
 }
 
+/// The manager's own group under `kind` made, and (cgroup v2) the memory controller handed
+/// down: root → mayfly-serve/ → the VMMs' groups.
+fn prepare(kind: &Kind) -> Result<(), ServeError> {
+    let (Kind::V2(mount) | Kind::V1(mount)) = kind;
+    let parent = mount.join("mayfly-serve");
+    match std::fs::create_dir(&parent) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(io_error("make the memory cgroup", &parent)(e)),
+    }
+    if let Kind::V2(mount) = kind {
+        for group in [mount, &parent] {
+            let file = group.join("cgroup.subtree_control");
+            std::fs::write(&file, "+memory").map_err(io_error("enable memory in", &file))?;
+        }
+    }
+    Ok(())
+}
+
 /// Remove a VMM's memory group once its processes are gone (best effort: the kernel empties
 /// a group a moment after its last process exits).
 pub fn remove(dir: &Path) {
@@ -233,5 +275,37 @@ pub fn remove(dir: &Path) {
             }
             _ => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_controller_the_manager_cannot_use_means_no_limits_and_says_why() {
+        // A hierarchy where the manager's group cannot be made (as under a read-only
+        // /sys/fs/cgroup): launches go on without a limit.
+        let missing = std::env::temp_dir().join(format!("mayfly-no-cgroup-{}", std::process::id()));
+        let groups = MemoryGroups::probed(Some(Kind::V2(missing.join("absent"))), "t".into());
+        assert!(groups.kind.is_none());
+        let why = groups.unavailable().expect("a reason");
+        assert!(why.contains("cannot use it"), "{why}");
+        assert!(why.contains("mayfly-serve"), "{why}");
+        assert!(groups.make("s-a", 1 << 30).expect("no failure").is_none());
+        // None at all.
+        let none = MemoryGroups::probed(None, "t".into());
+        assert!(none.kind.is_none());
+        assert!(none
+            .unavailable()
+            .expect("a reason")
+            .contains("no memory cgroup"));
+        // One it can use (a directory standing in for the hierarchy): limits.
+        let dir = std::env::temp_dir().join(format!("mayfly-cgroup-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a directory");
+        let usable = MemoryGroups::probed(Some(Kind::V1(dir.clone())), "t".into());
+        assert!(usable.kind.is_some());
+        assert!(usable.unavailable().is_none());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

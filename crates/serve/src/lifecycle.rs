@@ -813,7 +813,7 @@ impl Manager {
             vmm.kill();
         }
         // Its memory cgroup, whoever started its VMM (an adopted one's is still there).
-        if let Some(group) = self.groups.path(&sandbox.name) {
+        if let Some(group) = self.groups.path(&sandbox.group) {
             crate::cgroup::remove(&group);
         }
         // The record first: from here on the directory is no sandbox's.

@@ -123,11 +123,11 @@ impl Manager {
         }
         let groups = MemoryGroups::find(dir);
         groups.sweep();
-        if !groups.available() {
+        if let Some(why) = groups.unavailable() {
             events.write(
                 "no_memory_limit",
                 "",
-                json!({ "why": "this host gives the manager no memory cgroup controller                     (cgroup v2 with memory, or cgroup v1's memory hierarchy): its VMMs run                     without a memory limit of their own" }),
+                json!({ "why": format!("{why}: its VMMs run without a memory limit of their own") }),
             );
         }
         Ok(Manager {

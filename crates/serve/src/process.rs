@@ -337,6 +337,8 @@ pub struct Launch<'a> {
     pub mayfly: &'a Path,
     /// Its name (`--name`), also what its errors call it.
     pub name: &'a str,
+    /// Its memory cgroup's name (see [`crate::sandbox::Sandbox::group`]).
+    pub group: &'a str,
     pub start: Start<'a>,
     /// Its control socket.
     pub sock: &'a Path,
@@ -391,7 +393,7 @@ pub fn launch(
         .arg(how.console)
         .arg("--disk-dir")
         .arg(how.vm_dir.join("disks"));
-    let group = how.groups.make(how.name, how.memory_limit)?;
+    let group = how.groups.make(how.group, how.memory_limit)?;
     if let Some(uid) = how.jail_uid {
         // A jailed VMM moves to its jail's own cgroup v2 group: the limit goes there too.
         if group.as_ref().is_some_and(|g| g.v2) {

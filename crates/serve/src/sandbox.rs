@@ -27,6 +27,10 @@ pub struct Inner {
 
 pub struct Sandbox {
     pub name: String,
+    /// Its VMM's memory cgroup's name: `s-<name>` for a sandbox, `t-<name>` for a template's
+    /// build (named `template-<key>`, which is also a name a sandbox may take): the two
+    /// never share a group.
+    pub group: String,
     dir: PathBuf,
     /// Its jail's uid (also in its record), fixed at its create: read without its lock.
     pub uid: Option<u32>,
@@ -65,6 +69,7 @@ impl Sandbox {
     pub fn new(dir: PathBuf, record: Record, now: u64) -> Sandbox {
         Sandbox {
             name: record.name.clone(),
+            group: format!("s-{}", record.name),
             dir,
             uid: record.uid,
             view: Mutex::new(record.clone()),
@@ -98,7 +103,9 @@ impl Sandbox {
             vm_paused: false,
             fork: None,
         };
-        Sandbox::new(dir.to_path_buf(), record, 0)
+        let mut sandbox = Sandbox::new(dir.to_path_buf(), record, 0);
+        sandbox.group = format!("t-{name}");
+        sandbox
     }
 
     /// A request for it now (the manager's clock, ms).
@@ -260,6 +267,7 @@ impl Sandbox {
         let how = Launch {
             mayfly: launcher.mayfly,
             name: &self.name,
+            group: &self.group,
             start,
             sock: &sock,
             console: &console,
@@ -274,5 +282,20 @@ impl Sandbox {
         process::launch(&how, log, &mut |pid, start| {
             persist(pid, start, guest_bytes)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_template_build_and_a_sandbox_of_its_name_have_memory_groups_of_their_own() {
+        let dir = Path::new("/nonexistent");
+        let build = Sandbox::detached("template-0123456789abcdef", dir, None);
+        let record = build.view.lock().expect("its record").clone();
+        let sandbox = Sandbox::new(dir.to_path_buf(), record, 0);
+        assert_eq!(build.name, sandbox.name);
+        assert_ne!(build.group, sandbox.group);
     }
 }

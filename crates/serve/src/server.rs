@@ -2,7 +2,7 @@
 //! connection served on a thread of its own (up to [`MAX_CONNECTIONS`] at once), the idle
 //! watch started beside it, and everything left as it is when the manager is told to stop.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -78,6 +78,7 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
     }
     let active = Arc::new(AtomicUsize::new(0));
     let lanes = Arc::new(Lanes::default());
+    let unheard = Arc::new(Unheard::default());
     use nix::poll::{poll, PollFd, PollFlags};
     loop {
         let mut fds = [
@@ -100,8 +101,13 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
                 continue;
             }
         };
-        if active.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
-            active.fetch_sub(1, Ordering::SeqCst);
+        // A connection counts from its accept until its thread ends (the guards give back
+        // what it holds even if that thread panics), and as unheard until its request's head
+        // is read: past the tenants' pool of those, or when the manager serves all it may,
+        // the oldest unheard connection is let go so that this one (the admin's, maybe) is
+        // heard.
+        let full = active.load(Ordering::SeqCst) >= MAX_CONNECTIONS;
+        let Some(hearing) = Unheard::admit(&unheard, &stream, full) else {
             refusal_reply(
                 &stream,
                 &Refused::later(
@@ -111,19 +117,17 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
                 ),
             );
             continue;
-        }
+        };
+        let counted = Counted::take(&active);
         let manager = Arc::clone(&manager);
-        let active_now = Arc::clone(&active);
         let lanes = Arc::clone(&lanes);
-        let spawned = std::thread::Builder::new()
+        // Were the thread not started, the closure (and with it the guards) is dropped.
+        let _ = std::thread::Builder::new()
             .name("serve-conn".into())
             .spawn(move || {
-                connection(&manager, &lanes, stream);
-                active_now.fetch_sub(1, Ordering::SeqCst);
+                let _counted = counted;
+                connection(&manager, &lanes, stream, hearing);
             });
-        if spawned.is_err() {
-            active.fetch_sub(1, Ordering::SeqCst);
-        }
     }
     manager.event("stopped", "", json!({ "sandboxes": "left as they are" }));
     drop(listener);
@@ -134,6 +138,83 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
     }
     claim.release();
     Ok(())
+}
+
+/// A connection counted against [`MAX_CONNECTIONS`], given back when dropped (when its thread
+/// ends, however it ends).
+struct Counted(Arc<AtomicUsize>);
+
+impl Counted {
+    fn take(active: &Arc<AtomicUsize>) -> Counted {
+        active.fetch_add(1, Ordering::SeqCst);
+        Counted(Arc::clone(active))
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The connections whose requests' heads are not read yet (none of them known as the admin's
+/// or a tenant's): at most the tenants' pool of them, so that a client that opens connections
+/// and sends nothing (or a byte at a time) cannot hold the admin's. Past that, the oldest is
+/// let go (its reading ends, it is answered 503 with `Retry-After`).
+#[derive(Default)]
+struct Unheard {
+    held: std::sync::Mutex<(u64, BTreeMap<u64, UnixStream>)>,
+}
+
+/// An unheard connection's place, given back when dropped.
+struct Hearing {
+    unheard: Arc<Unheard>,
+    id: u64,
+}
+
+impl Unheard {
+    /// Room for `stream` among the unheard connections, letting the oldest go if they are as
+    /// many as the tenants' pool, or if `full` (the manager serves all the connections it
+    /// may). `None` if `full` and no connection is unheard: this one is refused.
+    fn admit(this: &Arc<Unheard>, stream: &UnixStream, full: bool) -> Option<Hearing> {
+        let mut held = lock(&this.held);
+        let (next, streams) = &mut *held;
+        if full || streams.len() >= MAX_CONNECTIONS - ADMIN_LANE {
+            match streams.pop_first() {
+                // Its reader sees the end of what it sent; what it may still write is its 503.
+                Some((_, oldest)) => {
+                    let _ = oldest.shutdown(std::net::Shutdown::Read);
+                }
+                None if full => return None,
+                None => {}
+            }
+        }
+        let id = *next;
+        *next += 1;
+        // Without a second handle the connection cannot be let go later; it is heard all the
+        // same (its own deadlines still bound it).
+        if let Ok(handle) = stream.try_clone() {
+            streams.insert(id, handle);
+        }
+        Some(Hearing {
+            unheard: Arc::clone(this),
+            id,
+        })
+    }
+}
+
+impl Hearing {
+    /// Its request's head is read: whether it still had its place (`false`: it was let go
+    /// meanwhile, to make room).
+    fn heard(self) -> bool {
+        lock(&self.unheard.held).1.remove(&self.id).is_some()
+    }
+}
+
+impl Drop for Hearing {
+    fn drop(&mut self) {
+        lock(&self.unheard.held).1.remove(&self.id);
+    }
 }
 
 /// Who holds the manager's connections, past their requests' heads: the tenants' in all,
@@ -201,11 +282,32 @@ impl Drop for Lease<'_> {
 
 /// Serve one connection: read its request, take its lane (the admin's, or its tenant's
 /// share), and answer it.
-fn connection(manager: &Manager, lanes: &Lanes, stream: UnixStream) {
+fn connection(manager: &Manager, lanes: &Lanes, stream: UnixStream, hearing: Hearing) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_write_timeout(Some(REQUEST_TOTAL));
     manager.metrics.requests.fetch_add(1, Ordering::Relaxed);
-    let request = match http::read_request(&stream, REQUEST_IDLE, REQUEST_TOTAL, streamed) {
+    let read = http::read_request(&stream, REQUEST_IDLE, REQUEST_TOTAL, streamed);
+    if !hearing.heard() {
+        manager
+            .metrics
+            .requests_refused
+            .fetch_add(1, Ordering::Relaxed);
+        refusal_reply(
+            &stream,
+            &Refused::later(
+                503,
+                1,
+                format!(
+                    "the manager let this connection go before its request's head came whole: \
+                     {} connections were waiting to be heard. Send the request at once, and \
+                     try again",
+                    MAX_CONNECTIONS - ADMIN_LANE
+                ),
+            ),
+        );
+        return;
+    }
+    let request = match read {
         Ok(request) => request,
         Err(Refusal::Silent) => return,
         Err(Refusal::Reply { status, message }) => {
@@ -273,5 +375,35 @@ mod tests {
         drop(held);
         assert_eq!(lock(&lanes.held).0, 0);
         assert!(lock(&lanes.held).1.is_empty());
+    }
+
+    #[test]
+    fn past_the_tenants_pool_of_unheard_connections_the_oldest_is_let_go() {
+        use std::io::Read;
+        let unheard = Arc::new(Unheard::default());
+        let pool = MAX_CONNECTIONS - ADMIN_LANE;
+        let pairs: Vec<_> = (0..=pool)
+            .map(|_| UnixStream::pair().expect("a socket pair"))
+            .collect();
+        let mut hearings: Vec<_> = pairs[..pool]
+            .iter()
+            .map(|(ours, _)| Unheard::admit(&unheard, ours, false).expect("within the pool"))
+            .collect();
+        let newest = Unheard::admit(&unheard, &pairs[pool].0, false).expect("let in");
+        // The oldest's reading ends; it knows it was let go. The others are still heard.
+        let mut buf = [0u8; 1];
+        assert_eq!((&pairs[0].0).read(&mut buf).expect("a read"), 0);
+        assert!(!hearings.remove(0).heard());
+        assert!(hearings.remove(0).heard());
+        assert!(newest.heard());
+        // Full, with none unheard: refused.
+        drop(hearings);
+        assert!(lock(&unheard.held).1.is_empty());
+        assert!(Unheard::admit(&unheard, &pairs[1].0, true).is_none());
+        // Full, with one unheard: that one goes.
+        let waiting = Unheard::admit(&unheard, &pairs[1].0, false).expect("let in");
+        let admin = Unheard::admit(&unheard, &pairs[2].0, true).expect("let in");
+        assert!(!waiting.heard());
+        assert!(admin.heard());
     }
 }
