@@ -430,3 +430,107 @@ fn a_directory_whose_record_cannot_be_read_is_moved_aside_and_its_vmm_ended() {
     assert_eq!(m.admin("DELETE", "/sandboxes/garbled", None).0, 200);
     assert_consistent(&m);
 }
+
+#[test]
+fn a_delete_left_in_the_journal_leaves_a_later_sandbox_of_its_name_alone() {
+    let dir = TestDir::new("serve-crash-reborn");
+    let mut m = manager(&dir, 1_736_000, None);
+    m.create_probe("reborn", None);
+    let uid = m.describe("reborn")["uid"].as_u64().unwrap();
+    let sock = socket_of(&m, "reborn");
+    kill_9(&mut m);
+    // What a delete of an earlier "reborn" kept (its directory could not be removed; a try
+    // again finished it, and the name was created again): one entry as a manager before
+    // `created_ms` wrote it, one as now, both older than this sandbox.
+    let journal = m.state.join("journal");
+    std::fs::create_dir_all(&journal).unwrap();
+    std::fs::write(
+        journal.join("0000000000000001-00000000-delete.json"),
+        br#"{"op":"delete","name":"reborn"}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        journal.join("0000000000000002-00000001-delete.json"),
+        br#"{"op":"delete","name":"reborn","created_ms":1}"#,
+    )
+    .unwrap();
+    let before = vmms_on(&sock);
+    assert!(!before.is_empty());
+    leave(m);
+
+    let m = manager(&dir, 1_736_000, None);
+    assert_eq!(vmms_on(&sock), before, "the later sandbox's VMM was ended");
+    assert_eq!(listed(&m), ["reborn"]);
+    assert_eq!(m.describe("reborn")["uid"].as_u64(), Some(uid));
+    assert_eq!(m.events("delete_finished", "reborn"), 0);
+    assert_eq!(m.events("delete_gone", "reborn"), 2);
+    assert_consistent(&m);
+    assert_eq!(m.admin("DELETE", "/sandboxes/reborn", None).0, 200);
+    assert_consistent(&m);
+}
+
+#[test]
+fn a_record_that_cannot_be_read_for_now_leaves_its_sandbox_as_it_is() {
+    let dir = TestDir::new("serve-crash-eio");
+    let mut m = manager(&dir, 1_737_000, None);
+    m.create_probe("held", None);
+    let sock = socket_of(&m, "held");
+    kill_9(&mut m);
+    // Its record cannot be read while the manager is away (an I/O error, not a garbled file:
+    // here a directory in its place).
+    let path = sandbox_dir(&m, "held").join("sandbox.json");
+    let saved = std::fs::read(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    std::fs::create_dir(&path).unwrap();
+    let before = vmms_on(&sock);
+    assert!(!before.is_empty());
+    leave(m);
+
+    let mut m = manager(&dir, 1_737_000, None);
+    assert_eq!(vmms_on(&sock), before, "its VMM was ended");
+    assert!(sandbox_dir(&m, "held").is_dir(), "its directory was moved");
+    assert!(!m.state.join("quarantine").exists());
+    assert_eq!(m.events("record_unreadable", "held"), 1);
+    // Its name stays taken.
+    let (status, body) = m.admin("POST", "/sandboxes", Some(probe_spec("held")));
+    assert_eq!(status, 409, "{body}");
+    kill_9(&mut m);
+    // Readable again: the next start adopts it.
+    std::fs::remove_dir(&path).unwrap();
+    std::fs::write(&path, saved).unwrap();
+    leave(m);
+
+    let m = manager(&dir, 1_737_000, None);
+    assert_eq!(vmms_on(&sock), before);
+    assert_eq!(listed(&m), ["held"]);
+    assert_consistent(&m);
+    assert_eq!(m.admin("DELETE", "/sandboxes/held", None).0, 200);
+    assert_consistent(&m);
+}
+
+#[test]
+fn a_process_that_only_names_a_sandboxs_socket_is_not_ended() {
+    let dir = TestDir::new("serve-crash-decoy");
+    let mut m = manager(&dir, 1_738_000, None);
+    m.create_probe("real", None);
+    let sock = socket_of(&m, "real");
+    kill_9(&mut m);
+    // Another program whose command line says `--api-sock` with the sandbox's socket.
+    let mut decoy = std::process::Command::new("sh")
+        .args(["-c", "sleep 600; :", "sh", "--api-sock"])
+        .arg(&sock)
+        .spawn()
+        .unwrap();
+    let decoy_pid = decoy.id();
+    assert!(vmms_on(&sock).contains(&decoy_pid));
+    leave(m);
+
+    let m = manager(&dir, 1_738_000, None);
+    let alive = decoy.try_wait().unwrap().is_none();
+    let _ = decoy.kill();
+    let _ = decoy.wait();
+    assert!(alive, "a process not running mayfly was ended");
+    assert_eq!(listed(&m), ["real"]);
+    assert_eq!(m.admin("DELETE", "/sandboxes/real", None).0, 200);
+    assert_consistent(&m);
+}

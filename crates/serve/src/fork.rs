@@ -31,7 +31,7 @@ use serde_json::{json, Value};
 use crate::config::CrashPoint;
 use crate::error::ServeError;
 use crate::files::seal;
-use crate::journal::Intent;
+use crate::journal::{Intent, Pending};
 use crate::manager::Manager;
 use crate::records::{valid_name, Spec};
 use crate::sandbox::Sandbox;
@@ -213,6 +213,14 @@ pub fn fork(
     }
     // 4. The base goes; the clones hold links to its files.
     let _ = std::fs::remove_dir_all(&base);
+    // Every clone made: the entry goes before the answer (one left would have the next start
+    // undo the clones whose tokens the answer gives out). If it cannot, they are undone now.
+    let mut intent = Some(intent);
+    if made.iter().all(Result::is_ok) {
+        if let Err(e) = intent.take().map_or(Ok(()), Pending::done) {
+            made.push(Err((String::new(), e)));
+        }
+    }
     if let Some(pos) = made.iter().position(Result::is_err) {
         // All or none: the clones that were made are deleted.
         for clone in made.iter().flatten() {
@@ -238,7 +246,6 @@ pub fn fork(
             other => other,
         });
     }
-    drop(intent);
     let clones: Vec<Value> = made.into_iter().flatten().collect();
     let ms = start.elapsed().as_secs_f64() * 1e3;
     manager.event(

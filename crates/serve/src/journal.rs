@@ -15,14 +15,16 @@
 //! | `create` | the name taken, before its directory     | the create answered or undone    | undoes it: ends any VMM on its socket, removes its directory (the name and uid are free again; its token was never handed out) |
 //! | `spawn`  | before a wake starts a VMM               | the VMM's pid in the record      | ends any VMM on the sandbox's socket that its record does not name |
 //! | `fork`   | the source's snapshot made, before the clones | every clone made, or all undone | undoes every clone made for it (their records name the fork); the source stays as its record says |
-//! | `delete` | before anything of the sandbox goes      | its directory gone               | finishes it                |
+//! | `delete` | before anything of the sandbox goes      | its directory gone (with any entry an earlier try of it kept) | finishes it, unless the name's record is another sandbox's (its `created_ms` differs) |
 //!
 //! The new manager does this (see [`crate::recovery`]) before it adopts anything. A VMM is
 //! found by its record's pid and start time, or, when the record never got one, by its
 //! command line: every VMM the manager starts is given its sandbox's socket path
 //! (`--api-sock`), unique to that sandbox (see [`crate::process::end_strays`]).
 //!
-//! An entry is removed when its [`Pending`] is dropped, except while a panic unwinds (the
+//! An operation that answers removes its entry with [`Pending::done`] first, and is undone
+//! instead of answered if that fails (the entry would have the next start undo it). An entry
+//! is otherwise removed when its [`Pending`] is dropped, except while a panic unwinds (the
 //! next start then finishes or undoes it) or when [`Pending::keep`] says so (a delete whose
 //! directory could not be removed is finished by the next start).
 
@@ -55,8 +57,15 @@ pub enum Intent {
         source: String,
         clones: Vec<String>,
     },
-    /// A delete of `name`.
-    Delete { name: String },
+    /// A delete of `name`, its record's `created_ms` this one's: a sandbox of the name whose
+    /// record says otherwise is another (made after this delete finished) and is left alone.
+    /// Entries written before this field have none: they finish only a sandbox whose record
+    /// is gone or says Deleting.
+    Delete {
+        name: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        created_ms: Option<u64>,
+    },
 }
 
 impl Intent {
@@ -146,6 +155,19 @@ impl Journal {
         }
     }
 
+    /// Remove every entry announcing `intent` (a delete tried again removes the entries its
+    /// earlier tries kept); returns how many.
+    pub fn remove_all(&self, intent: &Intent) -> Result<usize, ServeError> {
+        let mut removed = 0;
+        for (path, found) in self.entries() {
+            if found.as_ref() == Ok(intent) {
+                self.remove(&path)?;
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
     /// Remove an entry once what it announced is finished or undone.
     pub fn remove(&self, path: &Path) -> Result<(), ServeError> {
         match std::fs::remove_file(path) {
@@ -159,6 +181,22 @@ impl Journal {
 }
 
 impl Pending {
+    /// Remove the entry, what it announced done for good (before its answer): an error means
+    /// the entry may still be there, and the next start would undo what it announced, so the
+    /// caller undoes it now rather than answer.
+    pub fn done(mut self) -> Result<(), ServeError> {
+        let Some(path) = self.path.take() else {
+            return Ok(());
+        };
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(io_error("remove the journal entry", &path)(e));
+            }
+            _ => {}
+        }
+        path.parent().map_or(Ok(()), sync_dir)
+    }
+
     /// Leave the entry for the next start to finish what it announced.
     pub fn keep(mut self) {
         self.path = None;

@@ -30,7 +30,7 @@ use crate::budget::Reserved;
 use crate::config::CrashPoint;
 use crate::error::ServeError;
 use crate::files::{self, check_plain, link_base, link_snapshot, make_dirs, BASE};
-use crate::journal::Intent;
+use crate::journal::{Intent, Pending};
 use crate::manager::Manager;
 use crate::process::{log_tail, pause_and_snapshot, Vmm, STOP_TIMEOUT, VMM_REQUEST_TIMEOUT};
 use crate::records::{valid_name, CredentialState, Record, Spec, State, RECORD};
@@ -235,6 +235,9 @@ impl Manager {
             inner.record.state = State::Running;
             sandbox.save(&inner)
         })();
+        // Its entry gone before it answers: one left would have the next start undo it.
+        let mut intent = Some(intent);
+        let made = made.and_then(|()| intent.take().map_or(Ok(()), Pending::done));
         if let Err(e) = made {
             if let Some(mut vmm) = inner.vmm.take() {
                 vmm.kill();
@@ -257,7 +260,6 @@ impl Manager {
         let record = inner.record.clone();
         drop(inner);
         self.give_credential(&sandbox, &record);
-        drop(intent);
         Ok((self.describe(&sandbox), token))
     }
 
@@ -804,11 +806,34 @@ impl Manager {
         // A delete that failed half-way (its directory could not be removed) may be tried
         // again: it starts over. Journaled first: a manager killed part-way leaves the entry,
         // and the next start finishes the delete (a directory half removed is no sandbox).
-        let intent = self.journal.begin(&Intent::Delete {
+        let announced = Intent::Delete {
             name: sandbox.name.clone(),
-        })?;
+            created_ms: Some(inner.record.created_ms),
+        };
+        // Not written (a full disk, say: when a delete is most wanted), it goes on without:
+        // a start finishes a delete cut short all the same (a directory without a record is
+        // removed, and a record saying Deleting).
+        let intent = match self.journal.begin(&announced) {
+            Ok(intent) => Some(intent),
+            Err(e) => {
+                self.event(
+                    "journal_write_failed",
+                    &sandbox.name,
+                    json!({ "op": "delete", "error": e.to_string() }),
+                );
+                None
+            }
+        };
         inner.record.state = State::Deleting;
-        sandbox.save(&inner)?;
+        if let Err(e) = sandbox.save(&inner) {
+            // Nor this (a full disk again): the record's removal below is what makes it no
+            // sandbox; a start after a crash before it finds its VMM gone and lists it dead.
+            self.event(
+                "record_write_failed",
+                &sandbox.name,
+                json!({ "op": "delete", "error": e.to_string() }),
+            );
+        }
         if let Some(mut vmm) = inner.vmm.take() {
             vmm.kill();
         }
@@ -834,12 +859,24 @@ impl Manager {
         });
         if let Err(e) = removed {
             // Left in the journal: the next start finishes it.
-            intent.keep();
+            if let Some(intent) = intent {
+                intent.keep();
+            }
             return Err(e);
         }
         drop(inner);
-        // Done before the name is free: a create of it again has an entry of its own.
-        drop(intent);
+        // Done before the name is free: a create of it again has an entry of its own. An
+        // earlier try of this delete that failed kept its entry: removed too.
+        let done = intent
+            .map_or(Ok(()), Pending::done)
+            .and_then(|()| self.journal.remove_all(&announced).map(drop));
+        if let Err(e) = done {
+            self.event(
+                "journal_stuck",
+                &sandbox.name,
+                json!({ "error": e.to_string() }),
+            );
+        }
         lock(&self.sandboxes).remove(&sandbox.name);
         self.event("deleted", &sandbox.name, json!({}));
         Ok(())

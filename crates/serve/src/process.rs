@@ -129,15 +129,36 @@ pub fn find_process(record: &Record) -> Option<Vmm> {
     })
 }
 
-/// The processes started for a VMM control socket, found by their command lines: every VMM
+/// The processes started for a VMM control socket, found by their command lines (and only
+/// those running the manager's own binary: see [`runs_our_binary`]): every VMM
 /// the manager starts is told its sandbox's socket (`--api-sock PATH`), a path no other
 /// sandbox has, and a jailed VMM (forked by its waiter) has the same command line as the
 /// waiter. This finds the VMMs a record never got to name (a manager killed between a VMM's
 /// start and its record: see `journal.rs`).
 pub struct VmmsBySocket(BTreeMap<PathBuf, Vec<u32>>);
 
-/// Whether process `pid` was started with `--api-sock SOCK`.
+/// Whether process `pid` runs the same binary as this manager (the same file: device and
+/// inode of `/proc/PID/exe` and `/proc/self/exe`): a command line is the process's to write,
+/// its binary is not.
+fn runs_our_binary(pid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    static OURS: std::sync::OnceLock<Option<(u64, u64)>> = std::sync::OnceLock::new();
+    let ours = OURS.get_or_init(|| {
+        std::fs::metadata("/proc/self/exe")
+            .ok()
+            .map(|m| (m.dev(), m.ino()))
+    });
+    let theirs = std::fs::metadata(format!("/proc/{pid}/exe"))
+        .ok()
+        .map(|m| (m.dev(), m.ino()));
+    ours.is_some() && *ours == theirs
+}
+
+/// Whether process `pid` was started with `--api-sock SOCK` and runs this manager's binary.
 fn started_on(pid: u32, sock: &[u8]) -> bool {
+    if !runs_our_binary(pid) {
+        return false;
+    }
     let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
         return false;
     };
@@ -185,6 +206,9 @@ impl VmmsBySocket {
                 continue;
             };
             let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            if !args.contains(&&b"--api-sock"[..]) || !runs_our_binary(pid) {
+                continue;
+            }
             for pair in args.windows(2) {
                 if pair[0] == b"--api-sock" {
                     found

@@ -285,9 +285,38 @@ pub fn write_record(dir: &Path, record: &Record) -> Result<(), ServeError> {
 
 /// The record in the sandbox directory `dir`, or why it cannot be read.
 pub fn read_record(dir: &Path) -> Result<Record, String> {
-    std::fs::read(dir.join(RECORD))
-        .map_err(|e| e.to_string())
-        .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
+    load_record(dir).map_err(|e| e.to_string())
+}
+
+/// Why a sandbox's record could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// The file could not be read (missing, or an I/O error): nothing is known of what it
+    /// says; a read error may pass (try again, or look at the disk).
+    #[error(
+        "cannot read the record {path}: {source} (check the disk, then start the manager again)"
+    )]
+    Unreadable {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The file was read and is not a record this manager knows (garbled, or written by
+    /// another version).
+    #[error("the record {path} is not one this manager reads: {source} (look at it; a newer manager may read it)")]
+    Garbled {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+}
+
+/// The record in `dir`, or whether it could not be read or not understood.
+pub fn load_record(dir: &Path) -> Result<Record, RecordError> {
+    let path = dir.join(RECORD);
+    let bytes = std::fs::read(&path).map_err(|source| RecordError::Unreadable {
+        path: path.clone(),
+        source,
+    })?;
+    serde_json::from_slice(&bytes).map_err(|source| RecordError::Garbled { path, source })
 }
 
 /// Whether `name` can name a sandbox: a DNS label (RFC 1123): 1 to 63 lower-case letters,

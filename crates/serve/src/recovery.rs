@@ -10,9 +10,11 @@
 //!    anyone), a fork's clones are all undone, a delete is finished, a wake's VMM not in its
 //!    record is ended. Each entry is removed once done.
 //! 4. Each sandbox directory: one without a record (made or half removed by a manager older
-//!    than the journal) is removed; one whose record cannot be read is moved, whole, to
-//!    `<state-dir>/quarantine/NAME-MS/` for a person to look at (nothing is deleted on a
-//!    guess, and its name is free again); the others are adopted as their records say
+//!    than the journal) is removed; one whose record cannot be read (an I/O error) is left
+//!    as it is, its VMM running on and its name taken, for a later start; one whose record
+//!    was read and is not understood is moved, whole, to `<state-dir>/quarantine/NAME-MS/`
+//!    for a person to look at (nothing is deleted on a guess, and its name is free again),
+//!    its VMM ended; the others are adopted as their records say
 //!    (Starting and Deleting: removed; Running and Suspending: adopted, or Dead if their VMM
 //!    is gone; a wake cut short: asleep again).
 //! 5. Any other process still on a sandbox's socket (not the VMM its record names, nor that
@@ -29,7 +31,7 @@ use crate::files::socket;
 use crate::journal::Intent;
 use crate::manager::Manager;
 use crate::process::{find_process, Vmm, VmmsBySocket};
-use crate::records::{read_record, valid_name, State, RECORD};
+use crate::records::{load_record, read_record, valid_name, RecordError, State, RECORD};
 use crate::sandbox::Sandbox;
 use crate::util::{lock, now_ms};
 
@@ -56,9 +58,11 @@ impl Manager {
             if !valid_name(&name) || !entry.file_type().is_ok_and(|t| t.is_dir()) {
                 continue;
             }
-            let record = match read_record(&dir) {
+            let record = match load_record(&dir) {
                 Ok(record) => record,
-                Err(_) if std::fs::symlink_metadata(dir.join(RECORD)).is_err() => {
+                Err(RecordError::Unreadable { source, .. })
+                    if source.kind() == std::io::ErrorKind::NotFound =>
+                {
                     // Made, or half removed, by a manager that kept no journal: no sandbox.
                     let ended = vmms.end(&socket(&dir), None);
                     let removed = std::fs::remove_dir_all(&dir).map_err(|e| e.to_string());
@@ -70,11 +74,22 @@ impl Manager {
                     );
                     continue;
                 }
-                Err(e) => {
+                Err(e @ RecordError::Unreadable { .. }) => {
+                    // An I/O error says nothing of the sandbox: it is left as it is (its VMM
+                    // runs on, its directory keeps its name taken) for the next start.
+                    self.event(
+                        "record_unreadable",
+                        &name,
+                        json!({ "error": e.to_string(),
+                                "why": "left as it is (its name stays taken) until a start reads its record" }),
+                    );
+                    continue;
+                }
+                Err(e @ RecordError::Garbled { .. }) => {
                     // Moved aside whole for a person to look at (nothing is deleted on a
                     // guess), so that its name is free again.
                     let ended = vmms.end(&socket(&dir), None);
-                    self.quarantine(&name, &dir, &e, &ended);
+                    self.quarantine(&name, &dir, &e.to_string(), &ended);
                     continue;
                 }
             };
@@ -227,9 +242,26 @@ impl Manager {
                                 "why": "the manager stopped before the fork answered" }),
                     );
                 }
-                Ok(Intent::Delete { name }) => {
-                    let ended = self.undo_sandbox(&name, vmms);
-                    self.event("delete_finished", &name, json!({ "vmms_ended": ended }));
+                Ok(Intent::Delete { name, created_ms }) => {
+                    let dir = self.dir.join("sandboxes").join(&name);
+                    // Only the sandbox it was written for: its record gone (removed first),
+                    // or still its own. Another of the name (made after this delete finished,
+                    // its entry kept by a try that failed) is left alone.
+                    let ours = match (read_record(&dir), created_ms) {
+                        (Err(_), _) => std::fs::symlink_metadata(dir.join(RECORD)).is_err(),
+                        (Ok(record), Some(ms)) => record.created_ms == ms,
+                        (Ok(record), None) => record.state == State::Deleting,
+                    };
+                    if ours {
+                        let ended = self.undo_sandbox(&name, vmms);
+                        self.event("delete_finished", &name, json!({ "vmms_ended": ended }));
+                    } else {
+                        self.event(
+                            "delete_gone",
+                            &name,
+                            json!({ "why": "finished before the manager stopped; the name is another sandbox's now" }),
+                        );
+                    }
                 }
             }
             if let Err(e) = self.journal.remove(&path) {
