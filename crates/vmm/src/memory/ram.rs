@@ -327,11 +327,21 @@ impl GuestRam {
     /// Also returns how many bytes had to be copied.
     pub fn freeze(&mut self, snapshot_id: &[u8; 16]) -> Result<(File, u64), MemoryError> {
         let mut copied = 0;
-        if self.kind != RamKind::Memfd {
+        let fresh_base = self.kind != RamKind::Memfd;
+        if fresh_base {
             let base = memfd(self.size())?;
             copied = self.write_sparse(&base).map_err(MemoryError::Copy)?.bytes;
+            // Sealed before anything maps it. F_SEAL_WRITE fails (EBUSY) while any page of
+            // the file has a reference besides its mappings, and the kernel waits only ~75 ms
+            // for such references to go; khugepaged collapsing pages of a mapped, MADV_HUGEPAGE
+            // file holds them that long on a loaded host (a fork of a restored parent failed
+            // so in CI). An unmapped file has none.
+            mayfly_snapshot::write_trailer(&base, self.size(), snapshot_id)
+                .map_err(MemoryError::Copy)?;
+            seal_base(&base)?;
             self.backing = base;
         }
+        let mut remapped = Vec::new();
         for region in self.host_regions() {
             // SAFETY: replaces this VM's own mapping of guest RAM at the same address and size
             // (MAP_FIXED), with the same contents: the file now holds everything the old
@@ -349,17 +359,23 @@ impl GuestRam {
             if addr == libc::MAP_FAILED {
                 return Err(MemoryError::Copy(std::io::Error::last_os_error()));
             }
-            // SAFETY: advice on the mapping just made.
-            unsafe { libc::madvise(addr, region.len, libc::MADV_HUGEPAGE) };
+            remapped.push((addr, region.len));
         }
         self.kind = RamKind::CopyOnWrite;
         // It maps the base now, not the snapshot's chain.
         self.chain.clear();
-        // No shared mapping of the base is left anywhere: seal it, so that not even this VMM
-        // can change what the clones map.
-        mayfly_snapshot::write_trailer(&self.backing, self.size(), snapshot_id)
-            .map_err(MemoryError::Copy)?;
-        seal_base(&self.backing)?;
+        if !fresh_base {
+            // This VM's own memfd becomes the base: no shared mapping of it is left anywhere
+            // now, so it can be sealed, and not even this VMM can change what the clones map.
+            // Huge pages are asked for only after the seal (see above).
+            mayfly_snapshot::write_trailer(&self.backing, self.size(), snapshot_id)
+                .map_err(MemoryError::Copy)?;
+            seal_base(&self.backing)?;
+        }
+        for (addr, len) in remapped {
+            // SAFETY: advice on a mapping made above; it does not change contents.
+            unsafe { libc::madvise(addr, len, libc::MADV_HUGEPAGE) };
+        }
         let base = self.backing.try_clone().map_err(MemoryError::Memfd)?;
         Ok((base, copied))
     }
