@@ -333,9 +333,10 @@ impl GuestRam {
             copied = self.write_sparse(&base).map_err(MemoryError::Copy)?.bytes;
             // Sealed before anything maps it. F_SEAL_WRITE fails (EBUSY) while any page of
             // the file has a reference besides its mappings, and the kernel waits only ~75 ms
-            // for such references to go; khugepaged collapsing pages of a mapped, MADV_HUGEPAGE
-            // file holds them that long on a loaded host (a fork of a restored parent failed
-            // so in CI). An unmapped file has none.
+            // for such references to go: sealed after the remap below, a fork of a restored
+            // parent failed so once in CI, on a loaded host (which reference it was is not
+            // known: this host's shmem has no huge pages, so not khugepaged). A file nothing
+            // has mapped yet has no such reference.
             mayfly_snapshot::write_trailer(&base, self.size(), snapshot_id)
                 .map_err(MemoryError::Copy)?;
             seal_base(&base)?;
@@ -367,7 +368,7 @@ impl GuestRam {
         if !fresh_base {
             // This VM's own memfd becomes the base: no shared mapping of it is left anywhere
             // now, so it can be sealed, and not even this VMM can change what the clones map.
-            // Huge pages are asked for only after the seal (see above).
+            // (The same wait applies; huge pages are asked for only after the seal.)
             mayfly_snapshot::write_trailer(&self.backing, self.size(), snapshot_id)
                 .map_err(MemoryError::Copy)?;
             seal_base(&self.backing)?;
