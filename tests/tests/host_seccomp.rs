@@ -100,14 +100,26 @@ fn a_vmm_standing_by_reads_its_requests_on_a_filtered_thread() {
     let dir = TestDir::new("seccomp-standby");
     let sock = dir.join("s.sock");
     let vmm = probe::standby(&sock, &[]);
+    // Answered first: the thread installs its filter before it reads anything, so once a
+    // request has its answer the filter is on. (Looked at as soon as the thread had its name,
+    // it was caught once in CI between the two, filter not yet installed.)
     let deadline = std::time::Instant::now() + TIMEOUT;
-    let standing = loop {
-        let standing = threads(vmm.pid());
-        if standing.iter().any(|(n, _)| n == "api") || std::time::Instant::now() > deadline {
-            break standing;
+    let (status, body) = loop {
+        match mayfly_api::request_with_timeout(&sock, "GET", "/vm", None, TIMEOUT) {
+            Ok(answer) => break answer,
+            // Its socket not bound and listening yet.
+            Err(_) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            Err(e) => panic!("GET /vm of a VMM standing by: {e}"),
         }
-        std::thread::sleep(std::time::Duration::from_millis(5));
     };
+    assert_eq!(
+        (status, &body["state"]),
+        (200, &serde_json::json!("standby")),
+        "{body}"
+    );
+    let standing = threads(vmm.pid());
     // What clients send is read by the thread waiting on the socket, under the control
     // socket's filter; the controller only gets the snapshot's path from it.
     assert_eq!(mode_of(&standing, "api"), 2, "{standing:?}");
