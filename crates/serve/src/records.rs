@@ -89,6 +89,22 @@ impl Spec {
 
     /// Check what can be checked before anything is made.
     pub fn check(&self) -> Result<(), String> {
+        self.check_shape()?;
+        if let Some(template) = &self.template {
+            return template.check();
+        }
+        check_paths(&[
+            ("snapshot", &self.snapshot),
+            ("kernel", &self.kernel),
+            ("initrd", &self.initrd),
+        ])?;
+        check_rootfs(self.rootfs.as_deref())
+    }
+
+    /// What the request says, before any file it names is looked at: fields that go
+    /// together, the machine's size, the idle timeout (a template's own fields, which name
+    /// files, are checked by [`Spec::check`]).
+    pub fn check_shape(&self) -> Result<(), String> {
         if let Some(who) = &self.acts_for {
             if who.is_empty()
                 || who.chars().count() > MAX_ACTS_FOR
@@ -100,7 +116,7 @@ impl Spec {
                 ));
             }
         }
-        if let Some(template) = &self.template {
+        if self.template.is_some() {
             if self.snapshot.is_some()
                 || self.kernel.is_some()
                 || self.initrd.is_some()
@@ -117,7 +133,6 @@ impl Spec {
                      sandboxes have no NIC yet)"
                     .into());
             }
-            template.check()?;
             return check_idle_timeout(self.idle_timeout_s);
         }
         if self.snapshot.is_some()
@@ -135,12 +150,6 @@ impl Spec {
                     .into(),
             );
         }
-        check_paths(&[
-            ("snapshot", &self.snapshot),
-            ("kernel", &self.kernel),
-            ("initrd", &self.initrd),
-        ])?;
-        check_rootfs(self.rootfs.as_deref())?;
         check_machine(self.mem_mib, self.vcpus)?;
         check_idle_timeout(self.idle_timeout_s)
     }

@@ -479,8 +479,10 @@ fn create(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<(
             ),
         )
     })?;
-    // What the admin names is read by root before any jail: only files in the images
-    // directories, reached without links, and checked before anything else looks at them.
+    // The request's own shape first (what it says, not what its files hold); then what the
+    // admin names, which root reads before any jail: only files in the images directories,
+    // reached without links, and checked before anything else looks at them.
+    spec.check_shape().map_err(ServeError::BadRequest)?;
     manager.confine(&spec)?;
     let (mut described, token) = manager.create(&name, spec, token_ttl_s)?;
     if let Some(object) = described.as_object_mut() {
