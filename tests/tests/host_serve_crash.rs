@@ -14,7 +14,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mayfly_tests::guest::TestDir;
 use mayfly_tests::probe;
@@ -522,7 +522,14 @@ fn a_process_that_only_names_a_sandboxs_socket_is_not_ended() {
         .spawn()
         .unwrap();
     let decoy_pid = decoy.id();
-    assert!(vmms_on(&sock).contains(&decoy_pid));
+    // `spawn` returns once the child has left the test's memory, which the kernel does before
+    // it lays out the new program's arguments: for a moment /proc/PID/cmdline is empty (CI
+    // once saw it so). Wait, bounded, for the decoy to show its command line.
+    let shown = Instant::now() + Duration::from_secs(10);
+    while !vmms_on(&sock).contains(&decoy_pid) {
+        assert!(Instant::now() < shown, "the decoy never showed its command line");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     leave(m);
 
     let m = manager(&dir, 1_738_000, None);
