@@ -219,22 +219,39 @@ impl Server {
 /// Boot the default guest with `--net net` in `dir`, its network made under `dir` and going
 /// out to `uplink`; returns once its agent answers.
 fn boot(dir: &TestDir, name: &str, net: &str, uplink: &Uplink) -> (Guest, PathBuf) {
+    boot_with(dir, name, net, uplink, &[])
+}
+
+/// [`boot`] with more `mayfly run` arguments.
+fn boot_with(
+    dir: &TestDir,
+    name: &str,
+    net: &str,
+    uplink: &Uplink,
+    extra: &[&str],
+) -> (Guest, PathBuf) {
     let sock = dir.join(&format!("{name}.sock"));
-    let guest = Guest::start(&[
+    let uplink_path = uplink.path();
+    let net_dir = dir.arg("net");
+    let console = dir.arg(&format!("{name}.log"));
+    let sock_arg = sock.to_string_lossy().into_owned();
+    let mut args = vec![
         "run",
         "--name",
         name,
         "--api-sock",
-        &sock.to_string_lossy(),
+        &sock_arg,
         "--console",
-        &dir.arg(&format!("{name}.log")),
+        &console,
         "--net",
         net,
         "--net-dir",
-        &dir.arg("net"),
+        &net_dir,
         "--net-uplink",
-        &uplink.path(),
-    ]);
+        &uplink_path,
+    ];
+    args.extend_from_slice(extra);
+    let guest = Guest::start(&args);
     wait_for(&guest, &sock);
     (guest, sock)
 }
@@ -439,6 +456,64 @@ fn an_allowlist_is_enforced_outside_the_guest_and_kept_by_restore() {
     assert_eq!(answer, rinfo["outside_ip"].as_str().unwrap());
     assert_ne!(guest_connect(&rsock, OTHER, "nope").0, Some(0));
     assert!(denied.peers().is_empty());
+}
+
+#[test]
+fn a_jailed_vm_reaches_what_its_policy_allows_and_only_root_changes_it() {
+    let uplink = Uplink::new();
+    let allowed = uplink.server(SERVER);
+    let denied = uplink.server(OTHER);
+    let dir = TestDir::new("net-jail");
+    let policy = format!("allow={SERVER}/32:{PORT}");
+    let jails = dir.arg("jails");
+    let (mut guest, sock) = boot_with(
+        &dir,
+        "jailed",
+        &policy,
+        &uplink,
+        &["--jail", "--jail-dir", &jails],
+    );
+    let (status, vm) = request(&sock, "GET", "/vm", None);
+    assert_eq!(status, 200, "{vm}");
+    assert_eq!(vm["jail"]["uid"], 65534, "{vm}");
+    let info = net_info(&sock);
+    assert_eq!(info["policy"], policy.as_str());
+    let outside: Ipv4Addr = info["outside_ip"].as_str().unwrap().parse().unwrap();
+
+    // Egress as unjailed: the allowed server answers and sees the VM's outside address; the
+    // other is refused at once and counted.
+    let (code, answer, err) = guest_connect(&sock, SERVER, "hello");
+    assert_eq!(code, Some(0), "stderr: {err}");
+    assert_eq!(answer, outside.to_string());
+    let (code, _, _) = guest_connect(&sock, OTHER, "nope");
+    assert_ne!(code, Some(0), "a denied server was reached");
+    assert!(denied.peers().is_empty());
+    let counters = &net_info(&sock)["counters"];
+    assert!(counters["denied"].as_u64().unwrap() >= 1, "{counters}");
+
+    // The VMM (its guest's, maybe) cannot open its egress; root can, through the waiter.
+    let (status, body) = request(
+        &sock,
+        "PUT",
+        "/vm/net/policy",
+        Some(serde_json::json!({"policy": "open"})),
+    );
+    assert_eq!(status, 409, "{body}");
+    let out = mayfly_ok(&[
+        "net",
+        "--sock",
+        &sock.to_string_lossy(),
+        "--policy",
+        &format!("allow={OTHER}/32:{PORT}"),
+    ]);
+    assert!(out.contains(&OTHER.to_string()), "{out}");
+    let (code, answer, err) = guest_connect(&sock, OTHER, "now");
+    assert_eq!(code, Some(0), "stderr: {err}");
+    assert_eq!(answer, outside.to_string());
+    assert_ne!(guest_connect(&sock, SERVER, "no more").0, Some(0));
+    assert_eq!(allowed.peers().len(), 1);
+    mayfly_ok(&["shutdown", "--sock", &sock.to_string_lossy()]);
+    assert!(guest.wait_exit(Duration::from_secs(60)).success());
 }
 
 #[test]

@@ -4,10 +4,14 @@
 //! directory, restores jailed in every memory mode; what it cannot do is refused in words; and
 //! whatever ends it, its jail, cgroup and sockets go with it.
 
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 use mayfly_tests::guest::{mayfly_output, request, Guest, TestDir};
+use mayfly_tests::netns::{links_in, uplink};
 use mayfly_tests::probe;
 
 const NOBODY: u32 = 65534;
@@ -292,11 +296,6 @@ fn jail_options_that_cannot_work_are_refused_before_any_vm_exists() {
     assert!(run(&["--jail-share", "relative/dir"]).contains("absolute path"));
     assert!(run(&["--jail-cpus", "0"]).contains("above 0"));
     assert!(run(&["--jail-pids", "0"]).contains("above 0"));
-    let err = run(&["--net", "open"]);
-    assert!(
-        err.contains("cannot have a NIC yet") && err.contains("--net none"),
-        "{err}"
-    );
     // A memory limit needs cgroup v2's memory controller: where the host keeps it in cgroup
     // v1 (this project's build machines), that is said; where it has it, the limit is set.
     let controllers = std::fs::read_to_string("/proc/self/mountinfo")
@@ -362,4 +361,170 @@ fn jail_options_that_cannot_work_are_refused_before_any_vm_exists() {
         Duration::from_secs(30),
     );
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// What the process `pid` holds open: the targets of /proc/PID/fd/*.
+fn open_files(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .map(|t| t.to_string_lossy().into_owned())
+        .collect()
+}
+
+#[test]
+fn a_jailed_vm_has_a_nic_whose_network_its_waiter_keeps_and_only_root_changes() {
+    let dir = TestDir::new("jail-net");
+    let snaps = shared_dir(&dir, "snaps");
+    let (uplink_ns, uplink_path) = uplink();
+    let net_dir = dir.arg("net");
+    let sock = dir.join("vm.sock");
+    let net_args = |policy: &'static str| -> Vec<String> {
+        [
+            "--net",
+            policy,
+            "--net-uplink",
+            &uplink_path,
+            "--net-dir",
+            &net_dir,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let mut args: Vec<String> = vec![
+        "--jail".into(),
+        "--jail-dir".into(),
+        dir.arg("jails"),
+        "--jail-share".into(),
+        snaps.to_string_lossy().into_owned(),
+    ];
+    args.extend(net_args("allow=192.0.2.0/24:443"));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut guest = probe::boot_with(64, &sock, "jailed-net", &args);
+    let (pid, _) = jail_of(&sock);
+    assert_eq!(status_field(pid, "Uid").split('\t').next(), Some("65534"));
+
+    // The VM has its NIC and network, as unjailed: a namespace, a veth out to the uplink.
+    let (status, net) = request(&sock, "GET", "/vm/net", None);
+    assert_eq!(status, 200, "{net}");
+    assert_eq!(net["policy"], "allow=192.0.2.0/24:443", "{net}");
+    assert!(net["counters"].is_object(), "{net}");
+    let host_link = net["host_link"]["name"].as_str().unwrap().to_string();
+    assert!(links_in(&uplink_ns).contains(&host_link), "{net}");
+    // The VMM holds the tap and nothing else of the network: no namespace of it.
+    let held = open_files(pid);
+    assert!(held.iter().any(|f| f == "/dev/net/tun"), "{held:?}");
+    assert!(!held.iter().any(|f| f.starts_with("net:")), "{held:?}");
+
+    // Its own control socket does not change the policy (its guest may own it)...
+    let (status, body) = request(
+        &sock,
+        "PUT",
+        "/vm/net/policy",
+        Some(serde_json::json!({ "policy": "open" })),
+    );
+    assert_eq!(status, 409, "{body}");
+    assert!(body["error"].as_str().unwrap().contains(".net"), "{body}");
+    // ...its waiter's does, which only root reaches.
+    let kept = dir.join("vm.sock.net");
+    let meta = std::fs::metadata(&kept).expect("the waiter's socket");
+    assert_eq!((meta.uid(), meta.permissions().mode() & 0o777), (0, 0o600));
+    let as_nobody = Command::new(mayfly_tests::guest::mayfly_bin())
+        .args(["net", "--sock", &sock.to_string_lossy(), "--policy", "open"])
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .output()
+        .unwrap();
+    assert!(!as_nobody.status.success());
+    let err = String::from_utf8_lossy(&as_nobody.stderr);
+    assert!(err.contains("ermission denied"), "{err}");
+    let out = mayfly_tests::guest::mayfly_ok(&[
+        "net",
+        "--sock",
+        &sock.to_string_lossy(),
+        "--policy",
+        "allow=198.51.100.0/24",
+    ]);
+    assert!(out.contains("allow=198.51.100.0/24"), "{out}");
+    let (status, net) = request(&sock, "GET", "/vm/net", None);
+    assert_eq!(
+        (status, net["policy"].as_str()),
+        (200, Some("allow=198.51.100.0/24"))
+    );
+    // What the waiter's socket is not for, it says.
+    let (status, body) = request(&kept, "PUT", "/vm/pause", None);
+    assert_eq!(status, 404, "{body}");
+    let (status, body) = request(
+        &kept,
+        "PUT",
+        "/vm/net/policy",
+        Some(serde_json::json!({ "policy": "allow=nonsense" })),
+    );
+    assert_eq!(status, 400, "{body}");
+
+    // A snapshot keeps the policy the waiter set; its restore, jailed, gets a network of its own.
+    let snap = snaps.join("s1");
+    let (status, body) = request(&sock, "PUT", "/vm/pause", None);
+    assert_eq!(status, 204, "{body}");
+    let (status, body) = request(
+        &sock,
+        "PUT",
+        "/vm/snapshot",
+        Some(serde_json::json!({ "path": snap })),
+    );
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = request(&sock, "PUT", "/vm/shutdown", None);
+    assert_eq!(status, 204, "{body}");
+    assert!(guest.wait_exit(Duration::from_secs(30)).success());
+    assert!(!kept.exists(), "the waiter removes its socket");
+    assert!(
+        !links_in(&uplink_ns).contains(&host_link),
+        "the network went with the VM"
+    );
+
+    let rsock = dir.join("r.sock");
+    let rargs: Vec<String> = vec![
+        "restore".into(),
+        snap.to_string_lossy().into_owned(),
+        "--console".into(),
+        "/dev/null".into(),
+        "--api-sock".into(),
+        rsock.to_string_lossy().into_owned(),
+        "--jail".into(),
+        "--jail-dir".into(),
+        dir.arg("jails"),
+        "--net-uplink".into(),
+        uplink_path.clone(),
+        "--net-dir".into(),
+        net_dir.clone(),
+    ];
+    let rargs_ref: Vec<&str> = rargs.iter().map(String::as_str).collect();
+    let restored = Guest::start(&rargs_ref);
+    probe::wait_report(&restored, "verified");
+    let (status, rnet) = request(&rsock, "GET", "/vm/net", None);
+    assert_eq!(status, 200, "{rnet}");
+    assert_eq!(rnet["policy"], "allow=198.51.100.0/24", "{rnet}");
+    assert_eq!(
+        rnet["guest"]["mac"], net["guest"]["mac"],
+        "a restore keeps its MAC"
+    );
+    let rlink = rnet["host_link"]["name"].as_str().unwrap().to_string();
+    assert!(links_in(&uplink_ns).contains(&rlink), "{rnet}");
+
+    // Killed with -9, the waiter takes the VMM and the network along.
+    let (rpid, _) = jail_of(&rsock);
+    // SAFETY: kill(2) on a pid this test started (the waiter is `restored`).
+    unsafe { libc::kill(restored.pid() as i32, libc::SIGKILL) };
+    let gone = std::time::Instant::now() + Duration::from_secs(20);
+    while std::path::Path::new(&format!("/proc/{rpid}")).exists()
+        || links_in(&uplink_ns).contains(&rlink)
+    {
+        assert!(
+            std::time::Instant::now() < gone,
+            "the VMM or its network outlived its waiter"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(restored);
 }

@@ -332,9 +332,14 @@ fn bad_creates_are_refused_in_words_and_leave_nothing_behind() {
     );
     refused(json!({"name": "a", "idle_timeout_s": 0}), 400, "at least 1");
     refused(
-        json!({"name": "a", "net": "open"}),
+        json!({"name": "a", "net": "sometimes"}),
         400,
-        "cannot have a NIC",
+        "is not a policy",
+    );
+    refused(
+        json!({"name": "a", "net": "allow=10.0.0.0/99"}),
+        400,
+        "is not a policy",
     );
     std::fs::create_dir(dir.join("snap")).unwrap();
     refused(
@@ -1143,5 +1148,94 @@ fn a_vm_its_user_paused_stays_paused_across_sleep_and_fork() {
             m.admin("DELETE", &format!("/sandboxes/{name}"), None).0,
             200
         );
+    }
+}
+
+#[test]
+fn a_jailed_sandbox_has_a_network_whose_policy_the_admin_changes_and_sleep_keeps() {
+    let dir = TestDir::new("serve-net");
+    let (uplink_ns, uplink_path) = mayfly_tests::netns::uplink();
+    let net_dir = dir.arg("net");
+    let m = Manager::start_with(&dir, &["--net-uplink", &uplink_path, "--net-dir", &net_dir]);
+    let token = m.create(json!({
+        "name": "netted",
+        "kernel": probe::ELF,
+        "mem_mib": 64,
+        "cmdline": "touch=1",
+        "probe": true,
+        "net": "allow=192.0.2.0/24:443",
+    }));
+    assert_eq!(m.describe("netted")["jailed"], true);
+    let (status, net) = call(
+        &m.sock,
+        Some(&token),
+        "GET",
+        "/sandboxes/netted/vm/net",
+        None,
+    );
+    assert_eq!(status, 200, "{net}");
+    assert_eq!(net["policy"], "allow=192.0.2.0/24:443", "{net}");
+    let link = net["host_link"]["name"].as_str().unwrap().to_string();
+    assert!(mayfly_tests::netns::links_in(&uplink_ns).contains(&link));
+    let (status, vm) = call(&m.sock, Some(&token), "GET", "/sandboxes/netted/vm", None);
+    assert_eq!(status, 200, "{vm}");
+    assert_ne!(vm["jail"]["uid"], 0, "{vm}");
+
+    // Its own token cannot change what its network allows; the admin can, through the jail's
+    // waiter (the VMM itself cannot).
+    let open = json!({"policy": "open"});
+    let (status, body) = call(
+        &m.sock,
+        Some(&token),
+        "PUT",
+        "/sandboxes/netted/vm/net/policy",
+        Some(open),
+    );
+    assert_eq!(status, 403, "{body}");
+    let (status, body) = m.admin(
+        "PUT",
+        "/sandboxes/netted/vm/net/policy",
+        Some(json!({"policy": "allow=198.51.100.0/24"})),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["policy"], "allow=198.51.100.0/24", "{body}");
+
+    // Asleep and awake again, it has the policy the admin set, in a network of its own.
+    let (status, body) = m.admin("PUT", "/sandboxes/netted/pause", None);
+    assert_eq!(
+        (status, body["state"].as_str()),
+        (200, Some("suspended")),
+        "{body}"
+    );
+    gone(&uplink_ns, &link);
+    let (status, woke) = call(
+        &m.sock,
+        Some(&token),
+        "GET",
+        "/sandboxes/netted/vm/net",
+        None,
+    );
+    assert_eq!(status, 200, "{woke}");
+    assert_eq!(woke["policy"], "allow=198.51.100.0/24", "{woke}");
+    assert_eq!(woke["guest"]["mac"], net["guest"]["mac"], "{woke}");
+    let link = woke["host_link"]["name"].as_str().unwrap().to_string();
+    assert!(mayfly_tests::netns::links_in(&uplink_ns).contains(&link));
+
+    // Deleted, it leaves no network behind.
+    let (status, body) = m.admin("DELETE", "/sandboxes/netted", None);
+    assert_eq!(status, 200, "{body}");
+    gone(&uplink_ns, &link);
+}
+
+/// Wait, bounded, for the link `link` to leave the namespace `ns`: a VMM's network goes with
+/// it, the kernel removing a namespace (and its veth) a moment after its last holder.
+fn gone(ns: &std::fs::File, link: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while mayfly_tests::netns::links_in(ns).iter().any(|l| l == link) {
+        assert!(
+            Instant::now() < deadline,
+            "the network of {link} outlived its VMM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
 }

@@ -527,7 +527,10 @@ fn a_process_that_only_names_a_sandboxs_socket_is_not_ended() {
     // once saw it so). Wait, bounded, for the decoy to show its command line.
     let shown = Instant::now() + Duration::from_secs(10);
     while !vmms_on(&sock).contains(&decoy_pid) {
-        assert!(Instant::now() < shown, "the decoy never showed its command line");
+        assert!(
+            Instant::now() < shown,
+            "the decoy never showed its command line"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     leave(m);

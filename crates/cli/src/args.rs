@@ -261,10 +261,14 @@ pub(crate) struct ServeArgs {
     /// The manager's control socket (HTTP/1.1 + JSON).
     #[arg(long, value_name = "PATH")]
     pub(crate) sock: PathBuf,
-    /// Run new sandboxes' VMMs as root, unjailed (needed for sandboxes with a network). By
-    /// default each runs jailed (see `mayfly run --jail`), sharing only its own directory.
+    /// Run new sandboxes' VMMs as root, unjailed. By default each runs jailed (see `mayfly
+    /// run --jail`), sharing only its own directory; a jailed sandbox's network is kept by
+    /// its jail's waiter, outside the jail.
     #[arg(long)]
     pub(crate) no_jail: bool,
+    /// Where sandboxes' networks are made (for creates with "net"): every VMM gets these.
+    #[command(flatten)]
+    pub(crate) net: NetPlaceArgs,
     /// Jailed sandboxes run as uids and gids from this one on, one each (pick a range no
     /// user or service of the host has).
     #[arg(
@@ -417,6 +421,30 @@ impl NetPlaceArgs {
             reach: self.net_reach.clone(),
             never: self.net_never.clone(),
         }
+    }
+
+    /// The same options, as the arguments of a VMM the manager starts.
+    pub(crate) fn vmm_args(&self) -> Vec<String> {
+        let mut args = vec!["--net-dir".to_string(), self.net_dir.display().to_string()];
+        if let Some(uplink) = &self.net_uplink {
+            args.extend(["--net-uplink".to_string(), uplink.display().to_string()]);
+        }
+        if let Some(dns) = self.net_dns {
+            args.extend(["--net-dns".to_string(), dns.to_string()]);
+        }
+        let list = |nets: &[mayfly_network::Ipv4Net]| {
+            nets.iter()
+                .map(|n| n.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        if !self.net_reach.is_empty() {
+            args.extend(["--net-reach".to_string(), list(&self.net_reach)]);
+        }
+        if !self.net_never.is_empty() {
+            args.extend(["--net-never".to_string(), list(&self.net_never)]);
+        }
+        args
     }
 }
 

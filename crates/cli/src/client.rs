@@ -106,6 +106,10 @@ pub(crate) fn net(args: NetArgs) -> ExitCode {
             let request = NetPolicyBody {
                 policy: Some(policy),
             };
+            // A jailed VM's network is kept by its jail's waiter, which serves the policy
+            // beside the VM's socket (see mayfly_vmm::outside).
+            let kept = mayfly_vmm::outside::network_socket(sock);
+            let sock = if kept.exists() { &kept } else { sock };
             client(sock, "PUT", "/vm/net/policy", Some(body(&request)))
         }
         (None, Some(port)) => {

@@ -18,16 +18,27 @@ use crate::error::{EnvError, Error};
 /// Enter the jail if asked (see vmm/src/jail.rs): returns in the jailed VMM, or with the
 /// error that kept it from being made; the process that called it waits outside and exits
 /// with the VMM's status.
+///
+/// The waiter keeps the VM's network, if it has a NIC (see `mayfly_vmm::outside`): it serves
+/// the network's routes at `<api-sock>.net`, which it removes with the VM's other sockets.
 fn enter_jail(
     jail: Option<mayfly_jail::jail::JailConfig>,
     name: &str,
-    sockets: &[Option<&Path>],
+    api_sock: Option<&Path>,
+    vsock: Option<&Path>,
 ) -> Result<(), ExitCode> {
     let Some(config) = jail else {
         return Ok(());
     };
-    let sockets = sockets.iter().flatten().map(|p| p.to_path_buf()).collect();
-    mayfly_jail::jail::enter(config, name, sockets).map_err(fail)
+    let net_sock = api_sock.map(mayfly_vmm::outside::network_socket);
+    let sockets = [api_sock, vsock]
+        .into_iter()
+        .flatten()
+        .map(Path::to_path_buf)
+        .chain(net_sock.clone())
+        .collect();
+    let keeper = mayfly_vmm::outside::keep_network(net_sock);
+    mayfly_jail::jail::enter(config, name, sockets, Some(keeper)).map_err(fail)
 }
 
 /// Raise this process's descriptor limit to the hard limit: a fork follows each of its
@@ -100,9 +111,6 @@ pub(crate) fn run(args: RunArgs) -> ExitCode {
         trace::event("main");
     }
     let jail = args.jail.config();
-    if jail.is_some() && args.net != "none" {
-        return fail(mayfly_jail::jail::JailError::Net);
-    }
     let config = match args.into_config() {
         Ok(config) => config,
         Err(err) => return fail(err),
@@ -112,7 +120,7 @@ pub(crate) fn run(args: RunArgs) -> ExitCode {
         .vsock
         .as_ref()
         .and_then(|v| v.path.as_deref());
-    if let Err(code) = enter_jail(jail, &config.name, &[config.api_sock.as_deref(), vsock]) {
+    if let Err(code) = enter_jail(jail, &config.name, config.api_sock.as_deref(), vsock) {
         return code;
     }
     with_stop_signals(None, |started| {
@@ -135,7 +143,8 @@ pub(crate) fn restore(args: RestoreArgs) -> ExitCode {
     if let Err(code) = enter_jail(
         args.jail.config(),
         &name,
-        &[args.api_sock.as_deref(), vsock.as_deref()],
+        args.api_sock.as_deref(),
+        vsock.as_deref(),
     ) {
         return code;
     }

@@ -26,9 +26,10 @@
 //! device nodes or write its cgroup as the host's root; dropping to an unprivileged uid after
 //! the start (what Firecracker's jailer does too) gives the same wall without that.
 //!
-//! Not yet in a jail: a VM with a NIC (its network namespace and nftables rules are made and
-//! changed as the host's root) and forks of a jailed VM (each clone would need a jail of its
-//! own, made outside the parent's). Both are refused with an error that says so.
+//! A jailed VM's NIC: its network namespace and nftables rules are made and changed as the
+//! host's root, so the waiter keeps them ([`OutsideWork`], `mayfly_network::keeper`); the VMM
+//! holds only the tap. Not yet in a jail: forks of a jailed VM (each clone would need a jail
+//! of its own, made outside the parent's), refused with an error that says so.
 
 use std::ffi::CString;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -99,8 +100,6 @@ pub enum JailError {
         path: String,
         source: std::io::Error,
     },
-    #[error("a jailed VM cannot have a NIC yet (its network namespace and egress rules are made and changed as the host's root): run it with --net none, or without --jail")]
-    Net,
 }
 
 fn sys(what: impl Into<String>) -> impl FnOnce(nix::Error) -> JailError {
@@ -116,6 +115,14 @@ fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> 
     }
 }
 
+/// Work the waiter does outside the jail for its VMM: given the VMM's pid (the host's
+/// numbering) and the waiter's end of a SOCK_SEQPACKET pair whose other end the VMM holds
+/// ([`Jail::outside`]), it starts what it needs (threads of the waiter) and returns what to do
+/// once the VMM has ended, before the jail is cleaned up. A jailed VM's network is kept so
+/// (see `mayfly_network::keeper`).
+pub type OutsideWork =
+    Box<dyn FnOnce(u32, std::os::unix::net::UnixDatagram) -> Box<dyn FnOnce()> + Send>;
+
 /// The jail this process runs in, once [`enter`] has made it.
 #[derive(Debug)]
 pub struct Jail {
@@ -128,6 +135,8 @@ pub struct Jail {
     cgroup: Option<PathBuf>,
     /// Readable (at its end) once the waiter outside is gone.
     waiter: std::os::unix::net::UnixStream,
+    /// The VMM's end of the channel to the waiter's [`OutsideWork`], if it was given some.
+    outside: Option<std::os::unix::net::UnixDatagram>,
 }
 
 static JAIL: OnceLock<Jail> = OnceLock::new();
@@ -150,6 +159,11 @@ impl Jail {
     /// The directories shared with the host at their own paths, read and written.
     pub fn shared(&self) -> &[PathBuf] {
         &self.config.share
+    }
+
+    /// The channel to the work the waiter does outside the jail, if any.
+    pub fn outside(&self) -> Option<&std::os::unix::net::UnixDatagram> {
+        self.outside.as_ref()
     }
 
     /// What the control socket says of the jail.
@@ -245,7 +259,12 @@ fn writable_by(meta: &std::fs::Metadata, uid: u32, gid: u32) -> bool {
 /// VMM, PID 1 of its namespace, still root); the calling process becomes the waiter and
 /// exits with the VMM's status. `sockets` are the VM's socket paths, which the waiter clears
 /// once the VMM is gone (the VMM cannot remove them from inside its root).
-pub fn enter(config: JailConfig, name: &str, sockets: Vec<PathBuf>) -> Result<(), JailError> {
+pub fn enter(
+    config: JailConfig,
+    name: &str,
+    sockets: Vec<PathBuf>,
+    outside_work: Option<OutsideWork>,
+) -> Result<(), JailError> {
     check(&config)?;
     let outer_pid = std::process::id();
     let dir = config.dir.join(format!("{name}-{outer_pid}"));
@@ -294,15 +313,42 @@ pub fn enter(config: JailConfig, name: &str, sockets: Vec<PathBuf>) -> Result<()
     // the waiter's end closes when it dies.
     let (alive_read, alive_write) = std::os::unix::net::UnixStream::pair()
         .map_err(|e| fail(io("make a socket pair", Path::new("for the waiter"))(e)))?;
+    let channel =
+        match &outside_work {
+            Some(_) => Some(mayfly_sys::seqpacket::pair().map_err(|e| {
+                fail(io("make a socket pair", Path::new("for the waiter's work"))(e))
+            })?),
+            None => None,
+        };
     // SAFETY: the process has one thread here (`main` calls this before starting any), so the
     // child may run any code.
     match unsafe { fork() }.map_err(|e| fail(sys("fork the jailed VMM")(e)))? {
         ForkResult::Parent { child } => {
             drop(alive_read);
-            wait_as_outside(child, &waited, outside, alive_write)
+            let finish = match (outside_work, channel) {
+                (Some(work), Some((_theirs, ours))) => {
+                    // The waiter's work starts threads, which the kernel refuses (EINVAL)
+                    // while the PID namespace for its children is not its own: go back to
+                    // its own, the VMM's already made.
+                    match own_pid_namespace() {
+                        Ok(()) => {
+                            let pid = u32::try_from(child.as_raw()).unwrap_or(0);
+                            Some(work(pid, ours))
+                        }
+                        // The VMM, asking, hears nobody answer and says so.
+                        Err(e) => {
+                            eprintln!("mayfly: the jail's waiter cannot do its work: {e}");
+                            None
+                        }
+                    }
+                }
+                _ => None,
+            };
+            wait_as_outside(child, &waited, outside, alive_write, finish)
         }
         ForkResult::Child => {
             drop(alive_write);
+            let outside_end = channel.map(|(theirs, _ours)| theirs);
             // SAFETY: prctl(PR_SET_PDEATHSIG) with a valid signal; it has no memory effects.
             unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
             let mut fds = [nix::poll::PollFd::new(
@@ -351,6 +397,7 @@ pub fn enter(config: JailConfig, name: &str, sockets: Vec<PathBuf>) -> Result<()
                 dir,
                 cgroup,
                 waiter: alive_read,
+                outside: outside_end,
             });
             Ok(())
         }
@@ -438,6 +485,7 @@ fn wait_as_outside(
     waited: &SigSet,
     outside: Outside,
     alive: std::os::unix::net::UnixStream,
+    finish: Option<Box<dyn FnOnce()>>,
 ) -> ! {
     let status = loop {
         match waited.wait() {
@@ -454,6 +502,9 @@ fn wait_as_outside(
         }
     };
     drop(alive);
+    if let Some(finish) = finish {
+        finish();
+    }
     outside.clean();
     match status {
         Ok(code) => std::process::exit(code),
@@ -468,6 +519,15 @@ fn wait_as_outside(
             std::process::exit(128 + sig as i32)
         }
     }
+}
+
+/// Make this process's children go into its own PID namespace again (undo
+/// `unshare(CLONE_NEWPID)` once the child that needed it is made).
+fn own_pid_namespace() -> Result<(), JailError> {
+    let path = Path::new("/proc/self/ns/pid");
+    let own = std::fs::File::open(path).map_err(io("open", path))?;
+    nix::sched::setns(&own, CloneFlags::CLONE_NEWPID)
+        .map_err(sys("go back to the waiter's own PID namespace"))
 }
 
 /// The VMM's pid in the host's PID namespace: /proc is still the host's here.

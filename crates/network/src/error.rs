@@ -42,6 +42,8 @@ pub enum NetworkError {
     Policy(#[from] PolicyError),
     #[error("cannot update the VM's nftables sets: {0}")]
     Nft(std::io::Error),
+    #[error("a jailed VM's network, kept by its jail's waiter: {0}")]
+    Kept(String),
     #[error("cannot expose guest port {port}: {source}")]
     Expose { port: u16, source: std::io::Error },
 }

@@ -47,6 +47,7 @@
 mod addr;
 mod error;
 mod expose;
+pub mod keeper;
 mod local;
 mod netns;
 mod network;

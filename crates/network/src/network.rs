@@ -220,6 +220,18 @@ impl Network {
             .join(format!("slot-{index}"))
     }
 
+    /// [`Network::create`] for a NIC whose policy may be [`Policy::None`]: a restored NIC that
+    /// may reach nothing (the guest keeps its NIC, its driver is bound) gets its network with
+    /// the rules in place and everything denied before the VM runs.
+    pub fn create_nic(&self, policy: &Policy, mac: Option<MacAddr>) -> Result<VmNetwork> {
+        if *policy == Policy::None {
+            let mut network = self.create(&Policy::Open, mac)?;
+            network.set_policy(Policy::None)?;
+            return Ok(network);
+        }
+        self.create(policy, mac)
+    }
+
     /// A network for a VM with `policy`: from the pool if a slot is ready there, built now
     /// otherwise. `mac` is the guest's MAC: the saved one for a restored VM (its guest does
     /// not read the MAC again), `None` for a fresh locally administered one.
@@ -630,6 +642,33 @@ impl VmNetwork {
             .map_err(NetworkError::Nft)?;
         self.policy = policy;
         Ok(())
+    }
+
+    /// What `GET /vm/net` says of the network: policy, namespace, the guest's addresses and
+    /// MAC, the outside address, the host link and the counters (or why they cannot be read).
+    pub fn describe(&self) -> serde_json::Value {
+        let (link, host_ip) = self.host_link();
+        let guest = self.guest();
+        let counters = self.counters().map_err(|e| e.to_string());
+        let mac: Vec<String> = guest.mac.iter().map(|b| format!("{b:02x}")).collect();
+        serde_json::json!({
+            "policy": self.policy().to_string(),
+            "namespace": self.name(),
+            "guest": {
+                "ip": guest.ip.to_string(),
+                "prefix": guest.prefix,
+                "gateway": guest.gateway.to_string(),
+                "dns": guest.dns.map(|d| d.to_string()),
+                "mac": mac.join(":"),
+            },
+            "outside_ip": self.outside_ip().to_string(),
+            "host_link": {"name": link, "ip": host_ip.to_string()},
+            "counters": match &counters {
+                Ok(c) => serde_json::to_value(c).unwrap_or_default(),
+                Err(_) => serde_json::Value::Null,
+            },
+            "counters_error": counters.err(),
+        })
     }
 
     /// The nftables counters of the VM's namespace.

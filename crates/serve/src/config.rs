@@ -45,6 +45,9 @@ pub struct Policy {
     pub vmm_allowance_mib: u64,
     /// The most a sandbox's console file takes (bytes; `MAYFLY_CONSOLE_LIMIT` of its VMM).
     pub console_limit: u64,
+    /// Where sandboxes' networks are made (`--net-uplink`, `--net-dir`, `--net-dns`,
+    /// `--net-reach`, `--net-never`), as arguments given to every VMM it starts.
+    pub net_args: Vec<String>,
     /// Abort the manager right after this step (tests only: `mayfly serve --crash-at`,
     /// hidden), to kill it inside one of the windows the journal covers (see `journal.rs`).
     pub crash_at: Option<CrashPoint>,

@@ -98,14 +98,6 @@ impl Manager {
             )));
         }
         spec.check().map_err(ServeError::BadRequest)?;
-        if self.jail && spec.net.as_deref().is_some_and(|net| net != "none") {
-            return Err(ServeError::BadRequest(
-                "this manager jails its sandboxes, and a jailed VM cannot have a NIC yet: leave \
-                 \"net\" out, or start the manager with --no-jail to give sandboxes networks \
-                 (their VMMs then run as root)"
-                    .into(),
-            ));
-        }
         let dir = self.dir.join("sandboxes").join(name);
         // The path its VMM binds (see files::socket), and the vsock socket beside it, the
         // longest path the VMM binds: `<api-sock>.vsock_<port>`.
@@ -305,6 +297,7 @@ impl Manager {
             allowance: self.allowance,
             groups: &self.groups,
             console_limit: self.console_limit,
+            net_args: &self.net_args,
         }
     }
 

@@ -55,6 +55,8 @@ pub struct Manager {
     pub(crate) allowance: u64,
     /// `--console-limit`, bytes.
     pub(crate) console_limit: u64,
+    /// The network arguments every VMM gets (see [`crate::config::Config`]).
+    pub(crate) net_args: Vec<String>,
     /// Whether the disk was found over its budget at the last measure (the idle watch
     /// measures it every few seconds).
     pub(crate) disk_over: std::sync::atomic::AtomicBool,
@@ -140,6 +142,7 @@ impl Manager {
             groups,
             allowance: policy.vmm_allowance_mib.saturating_mul(1 << 20),
             console_limit: policy.console_limit,
+            net_args: policy.net_args.clone(),
             disk_over: std::sync::atomic::AtomicBool::new(false),
             disk_checked: Mutex::new(None),
             templates: Templates::new(dir),

@@ -381,6 +381,8 @@ pub struct Launch<'a> {
     pub groups: &'a MemoryGroups,
     /// The most its console file takes (`MAYFLY_CONSOLE_LIMIT`), bytes.
     pub console_limit: u64,
+    /// Where its network is made, if it has one (`--net-uplink`, `--net-dir`, ...).
+    pub net_args: &'a [String],
 }
 
 /// Start a VMM and wait for its control socket to answer. `persist` is given its pid and
@@ -408,6 +410,7 @@ pub fn launch(
             command.arg("run").args(args);
         }
     }
+    command.args(how.net_args);
     command
         .arg("--name")
         .arg(how.name)

@@ -105,6 +105,14 @@ impl Spec {
     /// together, the machine's size, the idle timeout (a template's own fields, which name
     /// files, are checked by [`Spec::check`]).
     pub fn check_shape(&self) -> Result<(), String> {
+        if let Some(net) = &self.net {
+            net.parse::<mayfly_network::Policy>().map_err(|e| {
+                format!(
+                    "\"net\": {net:?} is not a policy ({e}): give none, open, or \
+                     allow=CIDR[:PORT],... (e.g. allow=10.0.0.0/8:443,pypi.org)"
+                )
+            })?;
+        }
         if let Some(who) = &self.acts_for {
             if who.is_empty()
                 || who.chars().count() > MAX_ACTS_FOR

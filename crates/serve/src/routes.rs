@@ -526,24 +526,6 @@ fn vmm_serves_method(method: &str, vm: &str) -> bool {
     methods.peek().is_none() || methods.any(|(m, _)| m == method)
 }
 
-/// A jailed sandbox's network routes: it has no NIC (a jailed VM cannot have one yet), so
-/// nothing sent there can be done, whatever it says.
-fn check_network(sandbox: &Sandbox, vm: &str) -> Result<(), Refused> {
-    let network_route = (vm == "/vm/net" || vm.starts_with("/vm/net/"))
-        && mayfly_api::routes().any(|(_, path)| path == vm);
-    if sandbox.jailed() && network_route {
-        return Err(Refused::new(
-            409,
-            format!(
-                "sandbox {} has no NIC: this manager jails its sandboxes, and a jailed VM \
-                 cannot have one yet (a manager started with --no-jail gives sandboxes networks)",
-                sandbox.name
-            ),
-        ));
-    }
-    Ok(())
-}
-
 /// What a sandbox's VMM cannot do, as the manager knows without waking it: its guest's
 /// routes with no agent in its guest (the probe's, or a create's `no_agent`), and a
 /// snapshot where its jail cannot write.
@@ -606,10 +588,16 @@ fn pass_to_vmm(
              /sandboxes/NAME/pause to suspend it",
         ));
     }
-    check_network(sandbox, vm)?;
     check_as_the_vmm_would(request, vm)?;
     check_what_it_can_do(sandbox, request, vm)?;
     let (_activity, sock) = manager.enter(sandbox)?;
+    // A jailed sandbox's network is kept outside its jail, and its policy changed there
+    // alone (the VMM, which its guest may have taken over, cannot).
+    let sock = if sandbox.jailed() && vm == "/vm/net/policy" {
+        mayfly_api::network_socket(&sock)
+    } else {
+        sock
+    };
     // A VMM that cannot be reached may have just ended: then the sandbox is dead, and the
     // answer says so (as any request for a dead sandbox is told), not 502.
     let unreachable = |what: String| -> Refused {

@@ -62,6 +62,8 @@ pub struct Launcher<'a, 'r> {
     pub groups: &'a MemoryGroups,
     /// `--console-limit`, bytes.
     pub console_limit: u64,
+    /// Where networks are made (`--net-*` arguments for every VMM).
+    pub net_args: &'a [String],
 }
 
 impl Sandbox {
@@ -278,6 +280,7 @@ impl Sandbox {
             memory_limit,
             groups: launcher.groups,
             console_limit: launcher.console_limit,
+            net_args: launcher.net_args,
         };
         process::launch(&how, log, &mut |pid, start| {
             persist(pid, start, guest_bytes)

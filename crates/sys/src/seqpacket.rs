@@ -76,3 +76,35 @@ pub fn receive(socket: &UnixDatagram, buf: &mut [u8]) -> std::io::Result<Receive
     }
     Ok(Received::Message(len, fds.pop()))
 }
+
+/// Send one message, with `fd` beside it (SCM_RIGHTS) when given. Never raises SIGPIPE: a
+/// peer that has gone is an error (EPIPE) like any other.
+pub fn send(
+    socket: &UnixDatagram,
+    bytes: &[u8],
+    fd: Option<std::os::fd::BorrowedFd<'_>>,
+) -> std::io::Result<()> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    let raw = fd.map(|fd| [fd.as_raw_fd()]);
+    let cmsgs: Vec<ControlMessage<'_>> = raw
+        .as_ref()
+        .map(|fds| ControlMessage::ScmRights(fds))
+        .into_iter()
+        .collect();
+    let iov = [std::io::IoSlice::new(bytes)];
+    let sent = sendmsg::<()>(
+        socket.as_raw_fd(),
+        &iov,
+        &cmsgs,
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )
+    .map_err(std::io::Error::from)?;
+    if sent != bytes.len() {
+        return Err(std::io::Error::other(format!(
+            "a message of {} bytes went out as {sent}",
+            bytes.len()
+        )));
+    }
+    Ok(())
+}

@@ -8,6 +8,7 @@ use std::sync::mpsc::{Receiver, Sender};
 
 use mayfly_devices::PowerRequest;
 
+use crate::devices::net::{VmNet, KEPT_OUTSIDE};
 use crate::event::{VmEvent, VmExit};
 use crate::guest::refresh::Refresh;
 use crate::machine::Machine;
@@ -296,19 +297,32 @@ impl Controller {
             }
             Action::Shutdown => (Reply::no_content(), Some(VmExit::Shutdown)),
             Action::Net => match self.machine.devices.network() {
-                Some(network) => (Reply::ok(crate::devices::net::describe(network)), None),
+                Some(network) => match network.describe() {
+                    Ok(described) => (Reply::ok(described), None),
+                    Err(e) => (Reply::error(502, e.to_string()), None),
+                },
                 None => (Reply::error(404, NO_NIC), None),
             },
             Action::NetPolicy(policy) => match self.machine.devices.network_mut() {
                 // Names are resolved now; a policy that cannot be applied leaves the old one.
-                Some(network) => match network.set_policy(policy) {
-                    Ok(()) => (Reply::ok(crate::devices::net::describe(network)), None),
+                Some(VmNet::Own(network)) => match network.set_policy(policy) {
+                    Ok(()) => (Reply::ok(network.describe()), None),
                     Err(e) => (Reply::error(400, e.to_string()), None),
                 },
+                Some(VmNet::Kept(_)) => (Reply::error(409, KEPT_OUTSIDE), None),
                 None => (Reply::error(404, NO_NIC), None),
             },
             Action::NetExpose { port, on } => match self.machine.devices.network_mut() {
-                Some(network) => match network.expose(port, on) {
+                Some(VmNet::Kept(_)) => (
+                    Reply::error(
+                        409,
+                        "this VM is jailed, and its network is kept outside its jail: a jailed \
+                         VM's guest ports are not exposed yet (run it without --jail to expose \
+                         one)",
+                    ),
+                    None,
+                ),
+                Some(VmNet::Own(network)) => match network.expose(port, on) {
                     Ok(endpoint) => (
                         Reply::ok(serde_json::json!({
                             "guest_port": port,

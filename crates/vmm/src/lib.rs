@@ -39,6 +39,7 @@ pub mod guest;
 pub mod identity;
 pub mod kernel;
 pub mod launch;
+pub mod outside;
 pub mod persist;
 pub mod runtime;
 pub mod settings;

@@ -86,7 +86,7 @@ pub fn describe(
             "guest_cid": cid,
         })),
         "net": m.devices.network().map(|n| serde_json::json!({
-            "policy": n.policy().to_string(),
+            "policy": n.policy().map(|p| p.to_string()).ok(),
             "mac": crate::devices::net::mac_text(n.guest().mac),
             "outside_ip": n.outside_ip().to_string(),
         })),

@@ -34,7 +34,6 @@ use mayfly_devices::virtio::mmio::{MmioTransport, MmioTransportState};
 use mayfly_devices::virtio::thread::{DeviceThread, Gate};
 use mayfly_devices::virtio::{GuestMemory, Interrupt, MMIO_WINDOW};
 use mayfly_devices::PowerHandler;
-use mayfly_network::VmNetwork;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::layout::{GED_GSI, IOAPIC_PINS};
@@ -145,7 +144,7 @@ pub struct DeviceManager {
     disk_dir: Option<PathBuf>,
     /// The NIC's network namespace, tap and policy, held for the VM's life (dropped after the
     /// device threads: see the field order).
-    network: Option<VmNetwork>,
+    network: Option<net::VmNet>,
     /// Where the NIC's network was made, for the clones a fork makes.
     net_settings: Option<net::NetSettings>,
 }
@@ -406,7 +405,15 @@ impl DeviceManager {
                     if let (VirtioKindState::Net(state), Some(network)) =
                         (&mut device, &self.network)
                     {
-                        state.policy = network.policy().to_string();
+                        // A jailed VM's waiter has it; one that cannot say (gone, so the VMM
+                        // goes too) leaves a NIC that reaches nothing: closed, not open.
+                        state.policy = network
+                            .policy()
+                            .unwrap_or_else(|e| {
+                                eprintln!("mayfly: the snapshot's NIC reaches nothing: {e}");
+                                mayfly_network::Policy::None
+                            })
+                            .to_string();
                     }
                     VirtioDeviceState {
                         resources: slot.resources,
@@ -500,11 +507,11 @@ impl DeviceManager {
     }
 
     /// The VM's network (its NIC's namespace, policy, counters), if it has a NIC.
-    pub fn network(&self) -> Option<&VmNetwork> {
+    pub fn network(&self) -> Option<&net::VmNet> {
         self.network.as_ref()
     }
 
-    pub fn network_mut(&mut self) -> Option<&mut VmNetwork> {
+    pub fn network_mut(&mut self) -> Option<&mut net::VmNet> {
         self.network.as_mut()
     }
 

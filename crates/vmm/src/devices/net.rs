@@ -28,6 +28,9 @@ use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::str::FromStr;
 
+use std::os::fd::OwnedFd;
+
+use mayfly_network::keeper::KeptNetwork;
 use mayfly_network::{
     GuestConfig, Ipv4Net, MacAddr, Network, NetworkConfig, Policy, Uplink, VmNetwork,
 };
@@ -96,8 +99,8 @@ pub enum NetSetupError {
     },
     #[error("the snapshot's VM has no NIC: --net {0} needs a VM booted with a network (--net open or allow=...)")]
     NoNic(String),
-    #[error(transparent)]
-    Jailed(#[from] mayfly_jail::jail::JailError),
+    #[error("this jailed VMM has no waiter keeping networks for it (mayfly was started without one): a jailed VM's network is made outside its jail")]
+    NoKeeper,
 }
 
 /// A `--net` argument.
@@ -116,18 +119,77 @@ pub fn saved_policy(text: &str) -> Result<Policy, NetSetupError> {
     })
 }
 
+/// A VM's network as its VMM holds it.
+pub enum VmNet {
+    /// Made and held here: an unjailed VMM (root) changes it itself.
+    Own(VmNetwork),
+    /// Kept by the jail's waiter outside the jail (`mayfly_network::keeper`): the VMM holds
+    /// only the tap, and the policy is changed through the waiter's socket.
+    Kept(KeptNetwork),
+}
+
+/// What the VMM's own control socket says when asked to change a jailed VM's network.
+pub const KEPT_OUTSIDE: &str = "this VM is jailed, and its network is kept outside its jail by     the jail's waiter: change its policy there, at the VM's control socket with .net added     (PUT /vm/net/policy, as root); `mayfly net --policy` goes there by itself";
+
+impl VmNet {
+    pub fn guest(&self) -> &GuestConfig {
+        match self {
+            VmNet::Own(n) => n.guest(),
+            VmNet::Kept(n) => n.guest(),
+        }
+    }
+
+    /// The policy now (a snapshot saves it).
+    pub fn policy(&self) -> Result<Policy, mayfly_network::NetworkError> {
+        match self {
+            VmNet::Own(n) => Ok(n.policy().clone()),
+            VmNet::Kept(n) => n.policy(),
+        }
+    }
+
+    /// What `GET /vm/net` says.
+    pub fn describe(&self) -> Result<serde_json::Value, mayfly_network::NetworkError> {
+        match self {
+            VmNet::Own(n) => Ok(n.describe()),
+            VmNet::Kept(n) => n.describe(),
+        }
+    }
+
+    /// The network itself, when this VMM holds it (not jailed).
+    pub fn own_mut(&mut self) -> Option<&mut VmNetwork> {
+        match self {
+            VmNet::Own(n) => Some(n),
+            VmNet::Kept(_) => None,
+        }
+    }
+
+    /// The namespace's name in mayfly's terms.
+    pub fn name(&self) -> String {
+        match self {
+            VmNet::Own(n) => n.name(),
+            VmNet::Kept(n) => n.name().to_owned(),
+        }
+    }
+
+    pub fn outside_ip(&self) -> Ipv4Addr {
+        match self {
+            VmNet::Own(n) => n.outside_ip(),
+            VmNet::Kept(n) => n.outside_ip(),
+        }
+    }
+}
+
 /// Build one VM's network: a namespace with its tap, veth and `policy`, the guest's NIC
-/// having `mac` (a fresh one when `None`). `Policy::None` here is a restored NIC that may
-/// reach nothing (the guest keeps its NIC, its driver is bound): the network is made with the
-/// rules in place and everything denied before the VM runs.
+/// having `mac` (a fresh one when `None`); returns it and the tap for the NIC.
+/// `Policy::None` here is a restored NIC that may reach nothing (the guest keeps its NIC, its
+/// driver is bound): the network is made with the rules in place and everything denied
+/// before the VM runs. A jailed VMM asks its jail's waiter to make it (see
+/// `mayfly_network::keeper`): it must, before its jail is locked down.
 pub fn attach(
     settings: &NetSettings,
     policy: &Policy,
     mac: Option<MacAddr>,
-) -> Result<VmNetwork, NetSetupError> {
-    if mayfly_jail::jail::current().is_some() {
-        return Err(mayfly_jail::jail::JailError::Net.into());
-    }
+) -> Result<(VmNet, OwnedFd), NetSetupError> {
     let config = NetworkConfig {
         state_dir: settings.state_dir.clone(),
         uplink: match &settings.uplink {
@@ -139,13 +201,18 @@ pub fn attach(
         never: settings.never.clone(),
         ..NetworkConfig::default()
     };
-    let network = Network::new(config)?;
-    if *policy == Policy::None {
-        let mut vm_network = network.create(&Policy::Open, mac)?;
-        vm_network.set_policy(Policy::None)?;
-        return Ok(vm_network);
+    if let Some(jail) = mayfly_jail::jail::current() {
+        let channel = jail.outside().ok_or(NetSetupError::NoKeeper)?;
+        let (kept, tap) = KeptNetwork::make(channel, config, policy, mac)?;
+        return Ok((VmNet::Kept(kept), tap));
     }
-    Ok(network.create(policy, mac)?)
+    let mut network = Network::new(config)?.create_nic(policy, mac)?;
+    let tap = network.take_tap().ok_or_else(|| {
+        NetSetupError::Network(mayfly_network::NetworkError::Kept(
+            "the network came without its tap".into(),
+        ))
+    })?;
+    Ok((VmNet::Own(network), tap))
 }
 
 /// The kernel command line argument that tells the guest's init its address.
@@ -160,31 +227,6 @@ pub fn guest_cmdline_arg(guest: &GuestConfig) -> String {
 /// A MAC as `02:6d:66:00:00:01`.
 pub fn mac_text(mac: MacAddr) -> String {
     mayfly_agent_protocol::format_mac(mac)
-}
-
-/// What `GET /vm/net` says of a VM's network.
-pub fn describe(network: &VmNetwork) -> serde_json::Value {
-    let (link, host_ip) = network.host_link();
-    let guest = network.guest();
-    let counters = network.counters().map_err(|e| e.to_string());
-    serde_json::json!({
-        "policy": network.policy().to_string(),
-        "namespace": network.name(),
-        "guest": {
-            "ip": guest.ip.to_string(),
-            "prefix": guest.prefix,
-            "gateway": guest.gateway.to_string(),
-            "dns": guest.dns.map(|d| d.to_string()),
-            "mac": mac_text(guest.mac),
-        },
-        "outside_ip": network.outside_ip().to_string(),
-        "host_link": {"name": link, "ip": host_ip.to_string()},
-        "counters": match &counters {
-            Ok(c) => serde_json::to_value(c).unwrap_or_default(),
-            Err(_) => serde_json::Value::Null,
-        },
-        "counters_error": counters.err(),
-    })
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use crate::devices::net::VmNet;
 use event_manager::MutEventSubscriber;
 use mayfly_devices::persist::Persist;
 use mayfly_devices::state::VirtioKindState;
@@ -18,7 +19,6 @@ use mayfly_devices::virtio::rng::Rng;
 use mayfly_devices::virtio::vsock::{Vsock, VsockArgs};
 use mayfly_devices::virtio::VirtioDevice;
 use mayfly_jail::seccomp::ThreadKind;
-use mayfly_network::VmNetwork;
 
 use crate::devices::config::{DevicesConfig, RestoreTargets};
 use crate::devices::disks;
@@ -80,10 +80,7 @@ fn made<D: Device + 'static>(device: Arc<Mutex<D>>, role: Role, filter: ThreadKi
 /// The virtio devices `config` names, freshly reset, in the order their MMIO windows and
 /// interrupt lines are given out: rng, vsock, each disk, the NIC. The NIC's network (made
 /// here) goes into `network`.
-pub fn boot(
-    config: &DevicesConfig,
-    network: &mut Option<VmNetwork>,
-) -> Result<Vec<Made>, DeviceError> {
+pub fn boot(config: &DevicesConfig, network: &mut Option<VmNet>) -> Result<Vec<Made>, DeviceError> {
     let mut all = Vec::new();
     if config.rng {
         let rng = Rng::new().map_err(DeviceError::EventFd)?;
@@ -117,11 +114,7 @@ pub fn boot(
     }
     if let Some(spec) = &config.net {
         if spec.policy != mayfly_network::Policy::None {
-            let mut made_network = net::attach(&spec.settings, &spec.policy, None)?;
-            let tap = made_network.take_tap().ok_or(DeviceError::BadState {
-                device: "virtio-net",
-                reason: "the network came without its tap".into(),
-            })?;
+            let (made_network, tap) = net::attach(&spec.settings, &spec.policy, None)?;
             let device = Net::new(tap, made_network.guest().mac)?;
             *network = Some(made_network);
             all.push(made(
@@ -139,7 +132,7 @@ pub fn boot(
 pub fn restore(
     saved: &VirtioKindState,
     targets: &RestoreTargets,
-    network: &mut Option<VmNetwork>,
+    network: &mut Option<VmNet>,
 ) -> Result<Made, DeviceError> {
     Ok(match saved {
         VirtioKindState::Rng(s) => made(
@@ -184,11 +177,7 @@ pub fn restore(
                 None => net::saved_policy(&s.policy)?,
             };
             let mac = (!targets.net.new_mac).then_some(s.mac);
-            let mut made_network = net::attach(&targets.net.settings, &policy, mac)?;
-            let tap = made_network.take_tap().ok_or(DeviceError::BadState {
-                device: "virtio-net",
-                reason: "the network came without its tap".into(),
-            })?;
+            let (made_network, tap) = net::attach(&targets.net.settings, &policy, mac)?;
             let args = NetArgs {
                 backend: NetBackend::Tap(tap),
                 mac: Some(made_network.guest().mac),

@@ -1,0 +1,352 @@
+//! A jailed VM's network, kept outside its jail.
+//!
+//! A VM's network namespace, tap, veth and nftables egress policy are made and changed as the
+//! host's root, and a jailed VMM drops to an unprivileged uid with no capabilities before its
+//! guest runs. So the jail's waiter (root, outside the jail, one per VMM) keeps the network:
+//!
+//! 1. Before the jail is locked down, the VMM asks its waiter for a network
+//!    ([`KeptNetwork::make`], over a SOCK_SEQPACKET pair the jail made). The [`Keeper`] in the
+//!    waiter builds it as an unjailed VMM would ([`crate::Network::create_nic`]) and sends
+//!    back the tap (SCM_RIGHTS) and what the VM needs to know of it. The VMM holds the tap,
+//!    and nothing else of the network.
+//! 2. Once the VMM runs the guest, the keeper answers it only what changes nothing: the
+//!    network's description and its current policy (a snapshot saves the policy). A request
+//!    to make a network is refused unless the VMM is still root (read in /proc as the
+//!    request is handled): a VMM the guest took over cannot make itself another network.
+//! 3. The policy is changed through the keeper alone ([`Keeper::set_policy`]), by whoever the
+//!    waiter lets ask (its own control socket, which only root can reach): never by the VMM,
+//!    which the guest may have taken over.
+//!
+//! The network lives as long as the keeper holds it: the waiter drops it when the VMM has
+//! ended ([`Keeper::end`]), and if the waiter is killed the kernel removes all of it with
+//! the last descriptor, as for an unjailed VMM.
+
+use std::net::Ipv4Addr;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixDatagram;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::network::{GuestConfig, Network, NetworkConfig, VmNetwork};
+use crate::policy::Policy;
+use crate::{MacAddr, NetworkError};
+
+/// The largest message either side sends (a description with its counters is ~600 bytes).
+const MAX_MESSAGE: usize = 64 * 1024;
+/// How long the VMM waits for its keeper: making a network runs `ip` and `nft` a few times
+/// (~100 ms here), or claims a pooled slot.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What a jailed VMM asks its keeper.
+#[derive(Debug, Serialize, Deserialize)]
+enum Request {
+    /// A network for the VM's NIC (before the jail is locked down only).
+    Make {
+        config: NetworkConfig,
+        policy: Policy,
+        mac: Option<MacAddr>,
+    },
+    /// What `GET /vm/net` says.
+    Describe,
+    /// The policy now (what a snapshot saves).
+    Policy,
+}
+
+/// What the keeper answers.
+#[derive(Debug, Serialize, Deserialize)]
+enum Answer {
+    /// The network is made; its tap came with this message.
+    Made(Made),
+    Described(serde_json::Value),
+    Policy(Policy),
+    Refused(String),
+}
+
+/// What the VMM learns of its network when it is made.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Made {
+    guest: GuestConfig,
+    name: String,
+    outside_ip: Ipv4Addr,
+    policy: Policy,
+}
+
+/// The waiter's side: holds the network and answers its VMM.
+pub struct Keeper {
+    /// The VMM's pid as the host sees it: a request to make a network is answered only while
+    /// it is still root.
+    vmm_pid: u32,
+    network: Mutex<Option<VmNetwork>>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Keeper {
+    pub fn new(vmm_pid: u32) -> Self {
+        Self {
+            vmm_pid,
+            network: Mutex::new(None),
+        }
+    }
+
+    /// Answer the VMM on `channel` until it closes its end (it has ended). Malformed or
+    /// oversized requests are refused, never acted on.
+    pub fn serve(&self, channel: &UnixDatagram) {
+        let mut buf = vec![0u8; MAX_MESSAGE];
+        loop {
+            let len = match mayfly_sys::seqpacket::receive(channel, &mut buf) {
+                Ok(mayfly_sys::seqpacket::Received::Message(len, _fd)) => len,
+                Ok(mayfly_sys::seqpacket::Received::Truncated(_)) => {
+                    self.answer(
+                        channel,
+                        0,
+                        Answer::Refused("a request too large".into()),
+                        None,
+                    );
+                    continue;
+                }
+                Ok(mayfly_sys::seqpacket::Received::End) => return,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(_) => return,
+            };
+            let (seq, request) = match serde_json::from_slice::<(u64, Request)>(&buf[..len]) {
+                Ok((seq, request)) => (seq, Ok(request)),
+                Err(e) => (0, Err(e)),
+            };
+            let answer = match request {
+                Err(e) => (Answer::Refused(format!("a malformed request: {e}")), None),
+                Ok(Request::Make {
+                    config,
+                    policy,
+                    mac,
+                }) => self.make(config, &policy, mac),
+                Ok(Request::Describe) => (
+                    match self.describe() {
+                        Some(d) => Answer::Described(d),
+                        None => Answer::Refused("the VM has no network".into()),
+                    },
+                    None,
+                ),
+                Ok(Request::Policy) => (
+                    match lock(&self.network).as_ref() {
+                        Some(n) => Answer::Policy(n.policy().clone()),
+                        None => Answer::Refused("the VM has no network".into()),
+                    },
+                    None,
+                ),
+            };
+            self.answer(channel, seq, answer.0, answer.1);
+        }
+    }
+
+    fn answer(&self, channel: &UnixDatagram, seq: u64, answer: Answer, fd: Option<OwnedFd>) {
+        let bytes = serde_json::to_vec(&(seq, answer)).unwrap_or_default();
+        let _ = mayfly_sys::seqpacket::send(channel, &bytes, fd.as_ref().map(|f| f.as_fd()));
+    }
+
+    fn make(
+        &self,
+        config: NetworkConfig,
+        policy: &Policy,
+        mac: Option<MacAddr>,
+    ) -> (Answer, Option<OwnedFd>) {
+        if !still_root(self.vmm_pid) {
+            return (
+                Answer::Refused(
+                    "a network is made for a jailed VM before its jail is locked down, not after"
+                        .into(),
+                ),
+                None,
+            );
+        }
+        let mut held = lock(&self.network);
+        if held.is_some() {
+            return (
+                Answer::Refused("the VM has its network already".into()),
+                None,
+            );
+        }
+        let made = Network::new(config).and_then(|network| network.create_nic(policy, mac));
+        let mut network = match made {
+            Ok(network) => network,
+            Err(e) => return (Answer::Refused(e.to_string()), None),
+        };
+        let Some(tap) = network.take_tap() else {
+            return (
+                Answer::Refused("the network came without its tap".into()),
+                None,
+            );
+        };
+        let answer = Answer::Made(Made {
+            guest: *network.guest(),
+            name: network.name(),
+            outside_ip: network.outside_ip(),
+            policy: network.policy().clone(),
+        });
+        *held = Some(network);
+        (answer, Some(tap))
+    }
+
+    /// What `GET /vm/net` says of the network, if the VM has one.
+    pub fn describe(&self) -> Option<serde_json::Value> {
+        lock(&self.network).as_ref().map(VmNetwork::describe)
+    }
+
+    /// Change the VM's policy (see [`VmNetwork::set_policy`]); `None` when it has no network.
+    pub fn set_policy(&self, policy: Policy) -> Option<Result<serde_json::Value, NetworkError>> {
+        let mut held = lock(&self.network);
+        let network = held.as_mut()?;
+        Some(network.set_policy(policy).map(|()| network.describe()))
+    }
+
+    /// The VMM has ended: remove its network now (veth, namespace).
+    pub fn end(&self) {
+        if let Some(network) = lock(&self.network).take() {
+            let _ = network.destroy();
+        }
+    }
+}
+
+/// Whether the process `pid` (the host's numbering) still runs as root: its jail is not
+/// locked down yet, so no guest code has run in it.
+fn still_root(pid: u32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .is_some_and(|ids| ids.split_whitespace().all(|id| id == "0"))
+}
+
+/// The VMM's side: its network as its keeper holds it.
+#[derive(Debug)]
+pub struct KeptNetwork {
+    /// The channel and the number of the last question asked on it.
+    channel: Mutex<(UnixDatagram, u64)>,
+    made: Made,
+}
+
+impl KeptNetwork {
+    /// Ask the keeper on `channel` for a network with `policy` (see
+    /// [`crate::Network::create_nic`]): returns it and the tap for the VM's NIC.
+    pub fn make(
+        channel: &UnixDatagram,
+        config: NetworkConfig,
+        policy: &Policy,
+        mac: Option<MacAddr>,
+    ) -> Result<(KeptNetwork, OwnedFd), NetworkError> {
+        let channel = channel.try_clone().map_err(crate::error::sys(
+            "cannot copy the jail's channel to its waiter",
+        ))?;
+        channel
+            .set_read_timeout(Some(ANSWER_TIMEOUT))
+            .map_err(crate::error::sys(
+                "cannot set a timeout on the waiter's channel",
+            ))?;
+        let request = Request::Make {
+            config,
+            policy: policy.clone(),
+            mac,
+        };
+        match ask(&channel, 1, &request)? {
+            (Answer::Made(made), Some(tap)) => Ok((
+                KeptNetwork {
+                    channel: Mutex::new((channel, 1)),
+                    made,
+                },
+                tap,
+            )),
+            (Answer::Made(_), None) => Err(NetworkError::Kept(
+                "the jail's waiter made the network but sent no tap".into(),
+            )),
+            (Answer::Refused(why), _) => Err(NetworkError::Kept(why)),
+            (other, _) => Err(NetworkError::Kept(format!(
+                "the jail's waiter answered {other:?} to a request for a network"
+            ))),
+        }
+    }
+
+    pub fn guest(&self) -> &GuestConfig {
+        &self.made.guest
+    }
+
+    /// The namespace's name in mayfly's terms.
+    pub fn name(&self) -> &str {
+        &self.made.name
+    }
+
+    pub fn outside_ip(&self) -> Ipv4Addr {
+        self.made.outside_ip
+    }
+
+    /// The policy now, as the keeper has it (it is changed there, not here).
+    pub fn policy(&self) -> Result<Policy, NetworkError> {
+        match self.ask(&Request::Policy)? {
+            Answer::Policy(policy) => Ok(policy),
+            Answer::Refused(why) => Err(NetworkError::Kept(why)),
+            other => Err(NetworkError::Kept(format!(
+                "the jail's waiter answered {other:?} when asked for the policy"
+            ))),
+        }
+    }
+
+    /// What `GET /vm/net` says, as the keeper has it.
+    pub fn describe(&self) -> Result<serde_json::Value, NetworkError> {
+        match self.ask(&Request::Describe)? {
+            Answer::Described(d) => Ok(d),
+            Answer::Refused(why) => Err(NetworkError::Kept(why)),
+            other => Err(NetworkError::Kept(format!(
+                "the jail's waiter answered {other:?} when asked to describe the network"
+            ))),
+        }
+    }
+
+    fn ask(&self, request: &Request) -> Result<Answer, NetworkError> {
+        // One question at a time on the channel; an answer to an earlier question that timed
+        // out is told apart by its number, and passed over.
+        let mut held = lock(&self.channel);
+        held.1 += 1;
+        let seq = held.1;
+        ask(&held.0, seq, request).map(|(answer, _fd)| answer)
+    }
+}
+
+fn ask(
+    channel: &UnixDatagram,
+    seq: u64,
+    request: &Request,
+) -> Result<(Answer, Option<OwnedFd>), NetworkError> {
+    let lost = |e: std::io::Error| {
+        NetworkError::Kept(format!(
+            "the jail's waiter, which keeps the network, did not answer: {e}"
+        ))
+    };
+    let bytes =
+        serde_json::to_vec(&(seq, request)).map_err(|e| NetworkError::Kept(e.to_string()))?;
+    mayfly_sys::seqpacket::send(channel, &bytes, None).map_err(lost)?;
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    loop {
+        match mayfly_sys::seqpacket::receive(channel, &mut buf) {
+            Ok(mayfly_sys::seqpacket::Received::Message(len, fd)) => {
+                let (answered, answer): (u64, Answer) = serde_json::from_slice(&buf[..len])
+                    .map_err(|e| NetworkError::Kept(format!("a malformed answer: {e}")))?;
+                if answered == seq || answered == 0 {
+                    return Ok((answer, fd));
+                }
+            }
+            Ok(mayfly_sys::seqpacket::Received::Truncated(_)) => {
+                return Err(NetworkError::Kept("an answer too large".into()))
+            }
+            Ok(mayfly_sys::seqpacket::Received::End) => {
+                return Err(lost(std::io::ErrorKind::BrokenPipe.into()))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(lost(e)),
+        }
+    }
+}

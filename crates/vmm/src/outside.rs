@@ -1,0 +1,115 @@
+//! What a jailed VMM's waiter does outside the jail: it keeps the VM's network.
+//!
+//! `mayfly run|restore --jail` forks; the parent stays outside as the waiter (root, see
+//! `mayfly_jail::jail`). A VM with a NIC needs its network namespace, tap and nftables egress
+//! policy made and changed as root, which the jailed VMM no longer is once its guest runs. So
+//! the waiter holds them ([`keep_network`]): the VMM asks it for the network before its jail
+//! is locked down and gets the tap back (`mayfly_network::keeper`), and the policy is changed
+//! through the waiter alone, at a control socket of its own beside the VM's: `<api-sock>.net`,
+//! mode 0600, so only root reaches it. It answers the VM's own routes for its network:
+//! `GET /vm/net` and `PUT /vm/net/policy`. The VMM never changes the policy: a guest that
+//! took over its VMM still cannot open its own egress.
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{channel, Receiver};
+use std::sync::Arc;
+
+use mayfly_api::guest::{Call, Context, GuestRoutes, Outcome};
+use mayfly_api::http::Request;
+use mayfly_api::{Action, ApiCall, ApiServer, Reply};
+use mayfly_jail::jail::OutsideWork;
+use mayfly_network::keeper::Keeper;
+
+pub use mayfly_api::network_socket;
+
+/// The waiter's work for a jailed VM that may have a NIC: keep its network, and serve its
+/// network routes at `sock` (none: its policy cannot be changed while it runs).
+pub fn keep_network(sock: Option<PathBuf>) -> OutsideWork {
+    Box::new(move |vmm_pid, vmm| {
+        let keeper = Arc::new(Keeper::new(vmm_pid));
+        // The socket first, while the waiter has one thread: its mode is set by the umask.
+        let server = sock.and_then(|path| match serve(&path, Arc::clone(&keeper)) {
+            Ok(server) => Some(server),
+            Err(e) => {
+                eprintln!(
+                    "mayfly: the jailed VM's network policy cannot be changed while it runs: \
+                     cannot serve {}: {e}",
+                    path.display()
+                );
+                None
+            }
+        });
+        let kept = Arc::clone(&keeper);
+        let answering = std::thread::Builder::new()
+            .name("net-keeper".into())
+            .stack_size(mayfly_sys::HELPER_THREAD_STACK)
+            .spawn(move || kept.serve(&vmm));
+        if let Err(e) = answering {
+            // The VMM's request for a network then fails (nobody answers): it says so.
+            eprintln!("mayfly: cannot start the jailed VM's network keeper: {e}");
+        }
+        Box::new(move || {
+            if let Some(server) = server {
+                server.shutdown();
+            }
+            keeper.end();
+        })
+    })
+}
+
+/// No guest routes here: this socket is for the VM's network alone.
+struct NetworkOnly;
+
+impl GuestRoutes for NetworkOnly {
+    fn serve(
+        &self,
+        _call: Call,
+        _request: &Request,
+        _stream: &std::os::unix::net::UnixStream,
+        _cx: &Context,
+    ) -> Outcome {
+        Reply::error(404, ONLY_NETWORK).into()
+    }
+}
+
+const ONLY_NETWORK: &str = "this socket is the jail waiter's, for the VM's network only: GET \
+    /vm/net and PUT /vm/net/policy; everything else goes to the VM's control socket (this \
+    path without .net)";
+
+fn serve(path: &Path, keeper: Arc<Keeper>) -> Result<ApiServer, mayfly_api::ApiError> {
+    let (calls, answered) = channel::<ApiCall>();
+    // SAFETY: umask has no memory effects; the waiter has one thread here, so no other file
+    // is made meanwhile with this mask.
+    let old = unsafe { libc::umask(0o177) };
+    let server = ApiServer::start(path, calls, |call| call, Arc::new(NetworkOnly));
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let server = server?;
+    std::thread::Builder::new()
+        .name("net-policy".into())
+        .stack_size(mayfly_sys::HELPER_THREAD_STACK)
+        .spawn(move || answer(&answered, &keeper))
+        .map_err(mayfly_api::ApiError::Thread)?;
+    Ok(server)
+}
+
+fn answer(calls: &Receiver<ApiCall>, keeper: &Keeper) {
+    const NO_NIC: &str =
+        "the VM has no NIC (it was started with --net none, or its snapshot had none)";
+    for call in calls {
+        let reply = match &call.action {
+            Action::Net => match keeper.describe() {
+                Some(described) => Reply::ok(described),
+                None => Reply::error(404, NO_NIC),
+            },
+            Action::NetPolicy(policy) => match keeper.set_policy(policy.clone()) {
+                Some(Ok(described)) => Reply::ok(described),
+                // Names are resolved now; a policy that cannot be applied leaves the old one.
+                Some(Err(e)) => Reply::error(400, e.to_string()),
+                None => Reply::error(404, NO_NIC),
+            },
+            _ => Reply::error(404, ONLY_NETWORK),
+        };
+        call.respond(reply);
+    }
+}
