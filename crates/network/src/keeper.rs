@@ -35,6 +35,11 @@ use crate::{MacAddr, NetworkError};
 
 /// The largest message either side sends (a description with its counters is ~600 bytes).
 const MAX_MESSAGE: usize = 64 * 1024;
+/// The least time between two descriptions the keeper makes for its VMM: each reads the
+/// counters with `nft`, a process the waiter starts outside the jail's cgroup, and a VMM its
+/// guest took over could ask without end. A control socket's `GET /vm/net` waits this long
+/// at worst.
+const DESCRIBE_GAP: Duration = Duration::from_millis(100);
 /// How long the VMM waits for its keeper: making a network runs `ip` and `nft` a few times
 /// (~100 ms here), or claims a pooled slot.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
@@ -97,6 +102,7 @@ impl Keeper {
     /// oversized requests are refused, never acted on.
     pub fn serve(&self, channel: &UnixDatagram) {
         let mut buf = vec![0u8; MAX_MESSAGE];
+        let mut last_described: Option<std::time::Instant> = None;
         loop {
             let len = match mayfly_sys::seqpacket::receive(channel, &mut buf) {
                 Ok(mayfly_sys::seqpacket::Received::Message(len, _fd)) => len,
@@ -124,13 +130,17 @@ impl Keeper {
                     policy,
                     mac,
                 }) => self.make(config, &policy, mac),
-                Ok(Request::Describe) => (
-                    match self.describe() {
+                Ok(Request::Describe) => {
+                    if let Some(t) = last_described {
+                        std::thread::sleep(DESCRIBE_GAP.saturating_sub(t.elapsed()));
+                    }
+                    last_described = Some(std::time::Instant::now());
+                    let answer = match self.describe() {
                         Some(d) => Answer::Described(d),
                         None => Answer::Refused("the VM has no network".into()),
-                    },
-                    None,
-                ),
+                    };
+                    (answer, None)
+                }
                 Ok(Request::Policy) => (
                     match lock(&self.network).as_ref() {
                         Some(n) => Answer::Policy(n.policy().clone()),
@@ -348,5 +358,65 @@ fn ask(
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(lost(e)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::CommandExt;
+    use std::sync::Arc;
+
+    /// A keeper for the process `pid`, answering on a thread; the VMM's end of its channel.
+    fn keeper_for(pid: u32) -> UnixDatagram {
+        let (vmm, ours) = mayfly_sys::seqpacket::pair().unwrap();
+        let keeper = Arc::new(Keeper::new(pid));
+        std::thread::spawn(move || keeper.serve(&ours));
+        vmm.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        vmm
+    }
+
+    fn answer_to(vmm: &UnixDatagram, bytes: &[u8]) -> (u64, Answer) {
+        mayfly_sys::seqpacket::send(vmm, bytes, None).unwrap();
+        let mut buf = vec![0u8; MAX_MESSAGE];
+        match mayfly_sys::seqpacket::receive(vmm, &mut buf).unwrap() {
+            mayfly_sys::seqpacket::Received::Message(len, None) => {
+                serde_json::from_slice(&buf[..len]).unwrap()
+            }
+            _ => panic!("no plain answer"),
+        }
+    }
+
+    #[test]
+    fn a_vmm_that_is_no_longer_root_gets_no_network_made() {
+        // A process running as nobody stands for a VMM whose jail is locked down.
+        let mut nobody = std::process::Command::new("sleep")
+            .arg("30")
+            .uid(65534)
+            .gid(65534)
+            .spawn()
+            .unwrap();
+        let vmm = keeper_for(nobody.id());
+        let made = KeptNetwork::make(&vmm, NetworkConfig::default(), &Policy::Open, None);
+        let _ = nobody.kill();
+        let _ = nobody.wait();
+        match made {
+            Err(NetworkError::Kept(why)) => assert!(why.contains("locked down"), "{why}"),
+            other => panic!("a network was made, or refused for another reason: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn malformed_and_oversized_requests_are_refused_and_the_keeper_answers_on() {
+        let vmm = keeper_for(std::process::id());
+        let (seq, answer) = answer_to(&vmm, b"{\"not\": a request");
+        assert_eq!(seq, 0);
+        assert!(matches!(answer, Answer::Refused(why) if why.contains("malformed")));
+        let (seq, answer) = answer_to(&vmm, &vec![b'x'; MAX_MESSAGE + 1]);
+        assert_eq!(seq, 0);
+        assert!(matches!(answer, Answer::Refused(why) if why.contains("too large")));
+        let (seq, answer) = answer_to(&vmm, &serde_json::to_vec(&(7u64, Request::Policy)).unwrap());
+        assert_eq!(seq, 7);
+        assert!(matches!(answer, Answer::Refused(why) if why.contains("no network")));
     }
 }
