@@ -1239,3 +1239,79 @@ fn gone(ns: &std::fs::File, link: &str) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn a_templates_network_is_for_its_setup_and_each_sandbox_gets_the_policy_its_create_names() {
+    let dir = TestDir::new("serve-template-net");
+    let (uplink_ns, uplink_path) = mayfly_tests::netns::uplink();
+    let net_dir = dir.arg("net");
+    let m = Manager::start_with(&dir, &["--net-uplink", &uplink_path, "--net-dir", &net_dir]);
+    let template = json!({
+        "kernel": probe::ELF,
+        "mem_mib": 64,
+        "cmdline": "touch=1",
+        "probe": true,
+        "net": "allow=192.0.2.0/24:443",
+    });
+    let policy_of = |name: &str, token: &str| -> Value {
+        let (status, net) = call(
+            &m.sock,
+            Some(token),
+            "GET",
+            &format!("/sandboxes/{name}/vm/net"),
+            None,
+        );
+        assert_eq!(status, 200, "{net}");
+        net
+    };
+    // Made without a policy of its own, a sandbox's NIC reaches nothing: the template's
+    // policy was its setup's alone.
+    let plain = m.create(json!({"name": "plain", "template": template}));
+    let net = policy_of("plain", &plain);
+    assert_eq!(net["policy"], "none", "{net}");
+    assert!(mayfly_tests::netns::links_in(&uplink_ns)
+        .contains(&net["host_link"]["name"].as_str().unwrap().to_string()));
+    // With its own, it has that one; the template was built once for both.
+    let own = m.create(json!({"name": "own", "template": template, "net": "allow=198.51.100.7"}));
+    let net = policy_of("own", &own);
+    assert!(
+        net["policy"]
+            .as_str()
+            .unwrap()
+            .starts_with("allow=198.51.100.7"),
+        "{net}"
+    );
+    assert_eq!(m.events("template_built", ""), 1);
+    // A template with no NIC makes sandboxes with none: a create's policy for one is refused.
+    let mut bare = template.clone();
+    bare.as_object_mut().unwrap().remove("net");
+    let (status, body) = m.admin(
+        "POST",
+        "/sandboxes",
+        Some(json!({"name": "bare", "template": bare, "net": "open"})),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("only if its template has one"),
+        "{body}"
+    );
+    let (status, body) = m.admin(
+        "POST",
+        "/sandboxes",
+        Some(json!({"name": "bad", "template": {"kernel": probe::ELF, "probe": true, "net": "sometimes"}})),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("is not a policy"),
+        "{body}"
+    );
+    for name in ["plain", "own"] {
+        assert_eq!(
+            m.admin("DELETE", &format!("/sandboxes/{name}"), None).0,
+            200
+        );
+    }
+}

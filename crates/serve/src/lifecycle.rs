@@ -138,6 +138,11 @@ impl Manager {
                 template,
                 builder.as_ref().map(|b| b.uid),
             )?);
+            // Its NIC gets the policy its create names, never the template's setup's: none
+            // (it reaches nothing) unless the create says otherwise.
+            if template.has_nic() && spec.net.is_none() {
+                spec.net = Some("none".into());
+            }
         }
         let token = new_token("mfs_")?;
         let credential_id = new_token("mci_")?;

@@ -133,13 +133,20 @@ impl Spec {
                 || self.vcpus.is_some()
                 || self.rootfs.is_some()
                 || self.probe
-                || self.net.is_some()
             {
                 return Err("a sandbox made from a template takes its machine from the \
                      template: put kernel, initrd, cmdline, mem_mib, vcpus and rootfs in \
-                     \"template\", and give only \"idle_timeout_s\" beside it (a template's \
-                     sandboxes have no NIC yet)"
+                     \"template\", and give only \"net\" and \"idle_timeout_s\" beside it"
                     .into());
+            }
+            let has_nic = self.template.as_ref().is_some_and(Template::has_nic);
+            if self.net.as_deref().is_some_and(|n| n != "none") && !has_nic {
+                return Err(
+                    "a sandbox made from a template has a NIC only if its template \
+                     has one: give the template a \"net\" (the policy its setup runs under), \
+                     and this create its own"
+                        .into(),
+                );
             }
             return check_idle_timeout(self.idle_timeout_s);
         }

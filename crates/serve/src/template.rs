@@ -37,6 +37,11 @@ pub struct Template {
     /// Shell commands run in order as root through the agent; each must exit 0.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub setup: Vec<String>,
+    /// The egress policy the setup commands run under (`mayfly run --net`): the template's
+    /// machine then has a NIC, and so has every sandbox made from it, with the policy its own
+    /// create names (none: it reaches nothing), never this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net: Option<String>,
 }
 
 /// The least guest memory a VMM boots with (`mayfly run --mem-mib`; mayfly_vmm::config's
@@ -94,7 +99,20 @@ fn blank(command: &str) -> bool {
 }
 
 impl Template {
+    /// Whether its machine, and so every sandbox made from it, has a NIC.
+    pub fn has_nic(&self) -> bool {
+        self.net.as_deref().is_some_and(|net| net != "none")
+    }
+
     pub fn check(&self) -> Result<(), String> {
+        if let Some(net) = &self.net {
+            net.parse::<mayfly_network::Policy>().map_err(|e| {
+                format!(
+                    "\"template\": \"net\": {net:?} is not a policy ({e}): give none, open, or \
+                     allow=CIDR[:PORT]|NAME[:PORT],... (e.g. allow=pypi.org:443,files.pythonhosted.org:443)"
+                )
+            })?;
+        }
         // What a check of its boot's spec checks: the files it names, its sizes.
         check_paths(&[("kernel", &self.kernel), ("initrd", &self.initrd)])?;
         check_rootfs(self.rootfs.as_deref())?;

@@ -42,6 +42,7 @@ fn boot_spec(template: &Template) -> Spec {
         vcpus: template.vcpus,
         rootfs: template.rootfs.clone(),
         probe: template.probe,
+        net: template.net.clone(),
         ..Spec::default()
     }
 }
