@@ -73,12 +73,27 @@ PROBE = {{"kernel": {probe_elf:?}, "probe": True, "cmdline": "touch=1", "mem_mib
 KEPT = {{"name", "idle_timeout_s", "acts_for", "no_agent"}}
 
 
+# Strings with a grammar of their own (a policy, a listening address) that the schema gives
+# as plain strings: a positive case gets a valid one, the rest of its body as generated.
+GRAMMAR = {{
+    ("PUT", "/sandboxes/{{name}}/vm/net/policy"): {{"policy": "allow=192.0.2.1"}},
+    ("PUT", "/sandboxes/{{name}}/vm/net/expose"): {{"on": "tcp:127.0.0.1:0"}},
+    ("POST", "/sandboxes/{{name}}/ports"): {{"host": "tcp:127.0.0.1:0"}},
+}}
+
+
 @schemathesis.hook
 def before_call(context, case, kwargs):
-    if case.operation.method.upper() != "POST" or case.operation.path != "/sandboxes":
-        return
     meta = case.meta
     if meta is not None and not meta.generation.mode.is_positive:
+        return
+    op = (case.operation.method.upper(), case.operation.path)
+    if op in GRAMMAR and isinstance(case.body, dict):
+        for key, value in GRAMMAR[op].items():
+            if key in case.body:
+                case.body[key] = value
+        return
+    if op != ("POST", "/sandboxes"):
         return
     if isinstance(case.body, dict):
         body = {{k: v for k, v in case.body.items() if k in KEPT}}

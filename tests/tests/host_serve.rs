@@ -1315,3 +1315,147 @@ fn a_templates_network_is_for_its_setup_and_each_sandbox_gets_the_policy_its_cre
         );
     }
 }
+
+#[test]
+fn an_exposed_port_is_the_managers_kept_across_sleep_and_restarts_and_a_connection_wakes_it() {
+    use std::io::Read;
+    let dir = TestDir::new("serve-ports");
+    let (_uplink_ns, uplink_path) = mayfly_tests::netns::uplink();
+    let net_dir = dir.arg("net");
+    let args = ["--net-uplink", &uplink_path, "--net-dir", &net_dir];
+    let mut m = Manager::start_with(&dir, &args);
+    let token = m.create(json!({
+        "name": "porty",
+        "kernel": probe::ELF,
+        "mem_mib": 64,
+        "cmdline": "touch=1",
+        "probe": true,
+        "net": "allow=192.0.2.0/24",
+    }));
+    m.create_probe("nonic", None);
+
+    // What cannot be, refused in words; its own token cannot expose it.
+    for (body, status, says) in [
+        (json!({"guest_port": 0}), 400, "1 to 65535"),
+        (json!({"guest_port": 70000}), 400, "guest_port"),
+        (
+            json!({"guest_port": 8080, "host": "tcp:0.0.0.0:0"}),
+            400,
+            "loopback",
+        ),
+        (
+            json!({"guest_port": 8080, "host": "unix:relative"}),
+            400,
+            "absolute",
+        ),
+        (
+            json!({"guest_port": 8080, "host": "udp:127.0.0.1:1"}),
+            400,
+            "tcp:",
+        ),
+        (json!({"port": 8080}), 400, "unknown field"),
+    ] {
+        let (got, answer) = post(&m, "porty", body.clone());
+        assert_eq!(got, status, "{body} → {answer}");
+        assert!(
+            answer["error"].as_str().unwrap().contains(says),
+            "{body} → {answer}"
+        );
+    }
+    let (status, body) = post(&m, "nonic", json!({"guest_port": 8080}));
+    assert_eq!(status, 409, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("no NIC"), "{body}");
+    let (status, body) = call(
+        &m.sock,
+        Some(&token),
+        "POST",
+        "/sandboxes/porty/ports",
+        Some(json!({"guest_port": 8080})),
+    );
+    assert_eq!(status, 403, "{body}");
+
+    // Exposed on a free loopback port; the same port twice, or a taken address, is refused.
+    let (status, opened) = post(&m, "porty", json!({"guest_port": 8080}));
+    assert_eq!(status, 201, "{opened}");
+    let host = opened["host"].as_str().unwrap().to_string();
+    let addr: std::net::SocketAddr = host.strip_prefix("tcp:").unwrap().parse().unwrap();
+    assert!(addr.ip().is_loopback() && addr.port() != 0, "{opened}");
+    assert_eq!(post(&m, "porty", json!({"guest_port": 8080})).0, 409);
+    let (status, body) = post(&m, "porty", json!({"guest_port": 8081, "host": host}));
+    assert_eq!(status, 409, "{body}");
+    let (status, listed) = call(&m.sock, Some(&token), "GET", "/sandboxes/porty/ports", None);
+    assert_eq!(status, 200, "{listed}");
+    assert_eq!(
+        listed["ports"],
+        json!([{"guest_port": 8080, "host": host, "listening": true}])
+    );
+
+    // Asleep, its port still listens; a connection wakes it (the probe guest serves no TCP,
+    // so the connection is then closed from the guest's side).
+    let (status, body) = m.admin("PUT", "/sandboxes/porty/pause", None);
+    assert_eq!(
+        (status, body["state"].as_str()),
+        (200, Some("suspended")),
+        "{body}"
+    );
+    let woke_before = m.events("woke", "porty");
+    let mut conn = std::net::TcpStream::connect(addr).expect("the port listens while asleep");
+    conn.set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut buf = [0u8; 16];
+    let read = conn.read(&mut buf);
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    m.wait_state("porty", "running", Duration::from_secs(30));
+    assert_eq!(m.events("woke", "porty"), woke_before + 1);
+
+    // A manager killed and started again listens there again.
+    m.process.signal(libc::SIGKILL);
+    m.process.wait_exit(Duration::from_secs(10));
+    std::mem::forget(m);
+    let m = Manager::start_with(&dir, &args);
+    let (status, listed) = m.admin("GET", "/sandboxes/porty/ports", None);
+    assert_eq!(status, 200, "{listed}");
+    assert_eq!(listed["ports"][0]["listening"], true, "{listed}");
+    drop(std::net::TcpStream::connect(addr).expect("the port listens after a restart"));
+
+    // Closed, it no longer listens; closed again, it is not there.
+    let (status, body) = m.admin("DELETE", "/sandboxes/porty/ports/8080", None);
+    assert_eq!(status, 200, "{body}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(addr).is_ok() {
+        assert!(Instant::now() < deadline, "the closed port still listens");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        m.admin("DELETE", "/sandboxes/porty/ports/8080", None).0,
+        404
+    );
+    assert_eq!(
+        m.admin("DELETE", "/sandboxes/porty/ports/zero", None).0,
+        400
+    );
+
+    // A deleted sandbox's ports go with it.
+    let (status, opened) = post(&m, "porty", json!({"guest_port": 9090}));
+    assert_eq!(status, 201, "{opened}");
+    let addr: std::net::SocketAddr = opened["host"]
+        .as_str()
+        .unwrap()
+        .strip_prefix("tcp:")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(m.admin("DELETE", "/sandboxes/porty", None).0, 200);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(addr).is_ok() {
+        assert!(
+            Instant::now() < deadline,
+            "a deleted sandbox's port still listens"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn post(m: &Manager, name: &str, body: Value) -> (u16, Value) {
+    m.admin("POST", &format!("/sandboxes/{name}/ports"), Some(body))
+}

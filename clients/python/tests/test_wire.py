@@ -270,3 +270,36 @@ def test_a_sandbox_without_an_agent_is_not_waited_for(fake):
     assert sb.name == "own"
     assert len(fake.requests) == 1
     assert json.loads(fake.requests[0][2]) == {"name": "own", "no_agent": True}
+
+
+def test_ports_and_policy_are_sent_as_the_manager_takes_them(fake):
+    fake.answer(201, b'{"guest_port": 8080, "host": "tcp:127.0.0.1:41234"}')
+    fake.answer(200, b'{"name": "box", "ports": [{"guest_port": 8080, "host": "tcp:127.0.0.1:41234", "listening": true}]}')
+    fake.answer(200, b'{"name": "box", "guest_port": 8080, "closed": true}')
+    fake.answer(200, b'{"policy": "allow=pypi.org:443"}')
+    sb = mayfly.Sandbox("box", token="own", client=client(fake))
+    assert sb.expose(8080)["host"] == "tcp:127.0.0.1:41234"
+    assert sb.ports()[0]["guest_port"] == 8080
+    sb.close_port(8080)
+    assert sb.set_policy("allow=pypi.org:443")["policy"] == "allow=pypi.org:443"
+    lines = [r[0] for r in fake.requests]
+    assert lines == [
+        "POST /sandboxes/box/ports HTTP/1.1",
+        "GET /sandboxes/box/ports HTTP/1.1",
+        "DELETE /sandboxes/box/ports/8080 HTTP/1.1",
+        "PUT /sandboxes/box/vm/net/policy HTTP/1.1",
+    ]
+    assert json.loads(fake.requests[0][2]) == {"guest_port": 8080}
+    # The admin's routes go with the client's (admin) token, the list with the sandbox's own.
+    assert fake.requests[0][1]["authorization"] == "Bearer admin-token"
+    assert fake.requests[1][1]["authorization"] == "Bearer own"
+    with pytest.raises(ValueError):
+        sb.expose(0)
+    assert len(fake.requests) == 4
+
+
+def test_a_templates_network_is_sent_as_net():
+    assert mayfly.Template(setup=["true"], network="allow=pypi.org:443").to_json() == {
+        "setup": ["true"],
+        "net": "allow=pypi.org:443",
+    }

@@ -117,6 +117,8 @@ pub(crate) fn net(args: NetArgs) -> ExitCode {
                 port: Some(Port(port)),
                 on: Some(args.on),
             };
+            let kept = mayfly_vmm::outside::network_socket(sock);
+            let sock = if kept.exists() { &kept } else { sock };
             client(sock, "PUT", "/vm/net/expose", Some(body(&request)))
         }
         (None, None) => client(sock, "GET", "/vm/net", None),

@@ -213,6 +213,18 @@ impl Keeper {
         Some(network.set_policy(policy).map(|()| network.describe()))
     }
 
+    /// Make `guest_port` reachable on the host at `on` (see [`VmNetwork::expose`]); `None`
+    /// when the VM has no network.
+    pub fn expose(
+        &self,
+        guest_port: u16,
+        on: crate::ExposeOn,
+    ) -> Option<Result<crate::HostEndpoint, NetworkError>> {
+        let mut held = lock(&self.network);
+        let network = held.as_mut()?;
+        Some(network.expose(guest_port, on))
+    }
+
     /// The VMM has ended: remove its network now (veth, namespace).
     pub fn end(&self) {
         if let Some(network) = lock(&self.network).take() {

@@ -47,11 +47,13 @@
 //!   VMM's start, a fork, a delete, each finished or undone by the next start);
 //! - what a sandbox is: `template` (a template's spec), `records` (a sandbox's spec, state
 //!   and record on disk), `files` (its directory), `process` (its VMM process), `budget`
-//!   (memory and disk accounting), `sandbox` (the value the manager holds);
+//!   (memory and disk accounting), `sandbox` (the value the manager holds), `listeners` (the
+//!   host listeners of its exposed ports);
 //! - the manager: `templates` (the template cache and builder), `manager` (the manager and
 //!   what it reads), `lifecycle` (the state machine), `recovery` (a manager's start), `idle`
 //!   (the idle watch);
-//! - on top: `fork`, `openapi`, `routes` (HTTP), `server` (the socket).
+//! - on top: `fork`, `openapi`, `ports` (guest ports exposed on the host, kept across
+//!   sleep), `routes` (HTTP), `server` (the socket).
 
 // Below everything.
 mod cgroup;
@@ -68,6 +70,7 @@ mod util;
 // What a sandbox is.
 mod budget;
 mod files;
+mod listeners;
 mod process;
 mod records;
 mod sandbox;
@@ -83,6 +86,7 @@ mod templates;
 // On top.
 mod fork;
 mod openapi;
+mod ports;
 mod routes;
 mod server;
 

@@ -184,6 +184,7 @@ impl Manager {
                 guest_bytes: None,
                 vm_paused: false,
                 fork: fork.map(str::to_owned),
+                ports: Vec::new(),
             };
             let sandbox = Arc::new(Sandbox::new(dir.clone(), record, self.uptime_ms()));
             all.insert(name.to_owned(), Arc::clone(&sandbox));

@@ -57,6 +57,11 @@ pub struct Manager {
     pub(crate) console_limit: u64,
     /// The network arguments every VMM gets (see [`crate::config::Config`]).
     pub(crate) net_args: Vec<String>,
+    /// The host listeners of the sandboxes' exposed ports (see `ports.rs`).
+    pub(crate) ports: crate::listeners::PortListeners,
+    /// The manager itself, for the threads it starts (the ports' listeners): set once it is
+    /// shared (`server.rs`).
+    pub(crate) me: std::sync::OnceLock<std::sync::Weak<Manager>>,
     /// Whether the disk was found over its budget at the last measure (the idle watch
     /// measures it every few seconds).
     pub(crate) disk_over: std::sync::atomic::AtomicBool,
@@ -143,6 +148,8 @@ impl Manager {
             allowance: policy.vmm_allowance_mib.saturating_mul(1 << 20),
             console_limit: policy.console_limit,
             net_args: policy.net_args.clone(),
+            ports: Default::default(),
+            me: std::sync::OnceLock::new(),
             disk_over: std::sync::atomic::AtomicBool::new(false),
             disk_checked: Mutex::new(None),
             templates: Templates::new(dir),

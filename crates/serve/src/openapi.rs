@@ -25,6 +25,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/sandboxes/{name}/credential"),
     ("DELETE", "/sandboxes/{name}/credential"),
     ("POST", "/sandboxes/{name}/fork"),
+    ("GET", "/sandboxes/{name}/ports"),
+    ("POST", "/sandboxes/{name}/ports"),
+    ("DELETE", "/sandboxes/{name}/ports/{guest_port}"),
     ("POST", "/credentials/verify"),
 ];
 

@@ -296,6 +296,18 @@ pub struct Record {
     /// before that fork answered undoes every sandbox that names it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fork: Option<String>,
+    /// Its guest ports the manager exposes on the host (see `ports.rs`): kept across sleep,
+    /// wake and the manager's restarts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<PortRecord>,
+}
+
+/// A guest port exposed on the host: where it listens (`tcp:ADDR:PORT` or `unix:PATH`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PortRecord {
+    pub guest_port: u16,
+    pub host: String,
 }
 
 /// Save `record` as the record in the sandbox directory `dir`, atomically (a crash leaves

@@ -239,8 +239,19 @@ fn sandbox_route_methods(tail: &str) -> Option<&'static str> {
         "token" => Some("PUT, DELETE"),
         "credential" => Some("POST, DELETE"),
         "fork" => Some("POST"),
+        "ports" => Some("GET, POST"),
+        _ if tail.starts_with("ports/") => Some("DELETE"),
         _ => None,
     }
+}
+
+/// `POST /sandboxes/NAME/ports`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PortBody {
+    guest_port: u16,
+    #[serde(default)]
+    host: Option<String>,
 }
 
 pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Result<(), Refused> {
@@ -324,7 +335,10 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
                 .unwrap_or_else(|| Refused::new(405, format!("{method} {vm} is not served"))));
         }
     }
-    let admin_only = matches!(tail, "token" | "fork" | "credential");
+    // Exposing a port puts the guest on the host (its loopback, a socket): the admin's call.
+    let admin_only = matches!(tail, "token" | "fork" | "credential")
+        || (tail == "ports" && method == "POST")
+        || tail.starts_with("ports/");
     let Some(sandbox) = manager.get(name) else {
         // The token is checked first only where it can be: an unknown name says so to the
         // admin, and gets the very 403 another tenant's sandbox gets otherwise (names are not
@@ -405,6 +419,34 @@ pub fn route(manager: &Manager, request: &Request, stream: &UnixStream) -> Resul
         ("DELETE", "credential") => {
             manager.revoke_credential(&sandbox)?;
             reply(stream, 200, &json!({ "name": name, "credential": null }));
+        }
+        ("GET", "ports") => reply(stream, 200, &manager.list_ports(&sandbox)),
+        ("POST", "ports") => {
+            let body: PortBody = object_body(
+                request,
+                false,
+                r#"{"guest_port": 8080} (and "host": "tcp:127.0.0.1:PORT" or "unix:/path" if wanted)"#,
+            )?;
+            let opened = manager.open_port(&sandbox, body.guest_port, body.host.as_deref())?;
+            reply(stream, 201, &opened);
+        }
+        ("DELETE", port) if port.starts_with("ports/") => {
+            let guest_port = port["ports/".len()..]
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p > 0)
+                .ok_or_else(|| {
+                    Refused::new(
+                        400,
+                        format!("{path}: the guest port after /ports/ must be 1 to 65535"),
+                    )
+                })?;
+            manager.close_port(&sandbox, guest_port)?;
+            reply(
+                stream,
+                200,
+                &json!({ "name": name, "guest_port": guest_port, "closed": true }),
+            );
         }
         ("POST", "fork") => {
             let body: ForkRequest = object_body(
@@ -593,7 +635,7 @@ fn pass_to_vmm(
     let (_activity, sock) = manager.enter(sandbox)?;
     // A jailed sandbox's network is kept outside its jail, and its policy changed there
     // alone (the VMM, which its guest may have taken over, cannot).
-    let sock = if sandbox.jailed() && vm == "/vm/net/policy" {
+    let sock = if sandbox.jailed() && (vm == "/vm/net/policy" || vm == "/vm/net/expose") {
         mayfly_api::network_socket(&sock)
     } else {
         sock

@@ -104,6 +104,7 @@ impl Sandbox {
             guest_bytes: None,
             vm_paused: false,
             fork: None,
+            ports: Vec::new(),
         };
         let mut sandbox = Sandbox::new(dir.to_path_buf(), record, 0);
         sandbox.group = format!("t-{name}");

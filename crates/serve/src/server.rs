@@ -42,7 +42,9 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
         config.mayfly.clone(),
         &config.policy,
     )?);
+    let _ = manager.me.set(Arc::downgrade(&manager));
     manager.recover();
+    manager.reopen_ports();
     let mut claim = mayfly_sys::claim::SocketClaim::new(&config.sock)?;
     let listener = claim.bind()?;
     // The socket file this manager made: at the end it removes that one only, never one a

@@ -313,15 +313,7 @@ impl Controller {
                 None => (Reply::error(404, NO_NIC), None),
             },
             Action::NetExpose { port, on } => match self.machine.devices.network_mut() {
-                Some(VmNet::Kept(_)) => (
-                    Reply::error(
-                        409,
-                        "this VM is jailed, and its network is kept outside its jail: a jailed \
-                         VM's guest ports are not exposed yet (run it without --jail to expose \
-                         one)",
-                    ),
-                    None,
-                ),
+                Some(VmNet::Kept(_)) => (Reply::error(409, KEPT_OUTSIDE), None),
                 Some(VmNet::Own(network)) => match network.expose(port, on) {
                     Ok(endpoint) => (
                         Reply::ok(serde_json::json!({

@@ -73,7 +73,7 @@ impl GuestRoutes for NetworkOnly {
 }
 
 const ONLY_NETWORK: &str = "this socket is the jail waiter's, for the VM's network only: GET \
-    /vm/net and PUT /vm/net/policy; everything else goes to the VM's control socket (this \
+    /vm/net, PUT /vm/net/policy and PUT /vm/net/expose; everything else goes to the VM's control socket (this \
     path without .net)";
 
 fn serve(path: &Path, keeper: Arc<Keeper>) -> Result<ApiServer, mayfly_api::ApiError> {
@@ -106,6 +106,17 @@ fn answer(calls: &Receiver<ApiCall>, keeper: &Keeper) {
                 Some(Ok(described)) => Reply::ok(described),
                 // Names are resolved now; a policy that cannot be applied leaves the old one.
                 Some(Err(e)) => Reply::error(400, e.to_string()),
+                None => Reply::error(404, NO_NIC),
+            },
+            Action::NetExpose { port, on } => match keeper.expose(*port, on.clone()) {
+                Some(Ok(endpoint)) => Reply::ok(serde_json::json!({
+                    "guest_port": port,
+                    "host": match endpoint {
+                        mayfly_network::HostEndpoint::Tcp(addr) => format!("tcp:{addr}"),
+                        mayfly_network::HostEndpoint::Unix(path) => format!("unix:{}", path.display()),
+                    },
+                })),
+                Some(Err(e)) => Reply::error(409, e.to_string()),
                 None => Reply::error(404, NO_NIC),
             },
             _ => Reply::error(404, ONLY_NETWORK),

@@ -75,6 +75,9 @@ class Template:
     kernel: Optional[str] = None
     initrd: Optional[str] = None
     cmdline: Optional[str] = None
+    #: The egress policy the setup runs under (as ``mayfly run --net``): the template then has
+    #: a NIC, and each sandbox made from it the policy its own create names (default none).
+    network: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
@@ -86,6 +89,8 @@ class Template:
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
+        if self.network is not None:
+            out["net"] = self.network
         return out
 
 
@@ -314,6 +319,31 @@ def fork(
     if idle_timeout is not None:
         body["idle_timeout_s"] = _whole_seconds(idle_timeout, "idle_timeout")
     return Call("POST", sandbox_path(name, "/fork"), _body(body), admin=True)
+
+
+def set_policy(name: str, policy: str) -> Call:
+    if not isinstance(policy, str) or not policy:
+        raise ValueError("a policy is none, open, or allow=CIDR[:PORT]|NAME[:PORT],...")
+    return Call("PUT", sandbox_path(name, "/vm/net/policy"), _body({"policy": policy}), admin=True)
+
+
+def expose_port(name: str, guest_port: int, host: Optional[str]) -> Call:
+    if not isinstance(guest_port, int) or not 1 <= guest_port <= 65535:
+        raise ValueError(f"guest port {guest_port!r}: give 1 to 65535")
+    body: Dict[str, Any] = {"guest_port": guest_port}
+    if host is not None:
+        body["host"] = host
+    return Call("POST", sandbox_path(name, "/ports"), _body(body), admin=True)
+
+
+def list_ports(name: str) -> Call:
+    return Call("GET", sandbox_path(name, "/ports"), parse=lambda s, b: _json(s, b)["ports"])
+
+
+def close_port(name: str, guest_port: int) -> Call:
+    if not isinstance(guest_port, int) or not 1 <= guest_port <= 65535:
+        raise ValueError(f"guest port {guest_port!r}: give 1 to 65535")
+    return Call("DELETE", sandbox_path(name, f"/ports/{guest_port}"), admin=True)
 
 
 def snapshot(name: str, path: str) -> Call:

@@ -362,6 +362,26 @@ class Sandbox:
             clones.append(clone)
         return clones
 
+    def set_policy(self, policy: str) -> Dict[str, Any]:
+        """Change what its network may reach, now (admin): ``none``, ``open`` or
+        ``allow=CIDR[:PORT]|NAME[:PORT],...``. Answers the network as it is then."""
+        return self._do(_api.set_policy(self.name, policy))  # type: ignore[no-any-return]
+
+    def expose(self, guest_port: int, host: Optional[str] = None) -> Dict[str, Any]:
+        """Listen on the host for ``guest_port`` of its guest (admin): at ``host``
+        (``tcp:127.0.0.1:PORT`` or ``unix:/path``; default a free loopback port), kept by the
+        manager across sleep and wake; a connection wakes a sleeping sandbox. Answers
+        ``{"guest_port": ..., "host": "tcp:127.0.0.1:41234"}``."""
+        return self._do(_api.expose_port(self.name, guest_port, host))  # type: ignore[no-any-return]
+
+    def ports(self) -> List[Dict[str, Any]]:
+        """Its guest ports exposed on the host."""
+        return self._do(_api.list_ports(self.name))  # type: ignore[no-any-return]
+
+    def close_port(self, guest_port: int) -> None:
+        """Stop exposing ``guest_port`` (admin)."""
+        self._do(_api.close_port(self.name, guest_port))
+
     def renew_token(self) -> str:
         """A new token for it (the old one stops working), which this object now uses."""
         self.token = self._do(_api.renew_token(self.name))

@@ -357,6 +357,20 @@ class AsyncSandbox:
             clones.append(clone)
         return clones
 
+    async def set_policy(self, policy: str) -> Dict[str, Any]:
+        return await self._do(_api.set_policy(self.name, policy))  # type: ignore[no-any-return]
+
+    async def expose(self, guest_port: int, host: Optional[str] = None) -> Dict[str, Any]:
+        return await self._do(  # type: ignore[no-any-return]
+            _api.expose_port(self.name, guest_port, host)
+        )
+
+    async def ports(self) -> List[Dict[str, Any]]:
+        return await self._do(_api.list_ports(self.name))  # type: ignore[no-any-return]
+
+    async def close_port(self, guest_port: int) -> None:
+        await self._do(_api.close_port(self.name, guest_port))
+
     async def renew_token(self) -> str:
         self.token = await self._do(_api.renew_token(self.name))
         assert self.token is not None

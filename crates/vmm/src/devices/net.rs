@@ -129,7 +129,10 @@ pub enum VmNet {
 }
 
 /// What the VMM's own control socket says when asked to change a jailed VM's network.
-pub const KEPT_OUTSIDE: &str = "this VM is jailed, and its network is kept outside its jail by     the jail's waiter: change its policy there, at the VM's control socket with .net added     (PUT /vm/net/policy, as root); `mayfly net --policy` goes there by itself";
+pub const KEPT_OUTSIDE: &str = "this VM is jailed, and its network is kept outside its jail by \
+    the jail's waiter: change its policy or expose a port there, at the VM's control socket \
+    with .net added (PUT /vm/net/policy or /vm/net/expose, as root); `mayfly net` goes there \
+    by itself";
 
 impl VmNet {
     pub fn guest(&self) -> &GuestConfig {
