@@ -228,3 +228,83 @@ fn a_template_runs_its_setup_once_and_a_failing_setup_says_which_command() {
         .collect();
     assert_eq!(templates.len(), 1, "a failed template left {templates:?}");
 }
+
+/// What a connection to `addr` is answered, once it is answered (the guest's server may not
+/// listen yet: a connection it does not take is closed with nothing).
+fn answer_at(addr: std::net::SocketAddr) -> String {
+    use std::io::Read;
+    let deadline = Instant::now() + BOOT_TIMEOUT;
+    loop {
+        let mut got = String::new();
+        if let Ok(mut conn) = std::net::TcpStream::connect(addr) {
+            conn.set_read_timeout(Some(Duration::from_secs(60)))
+                .unwrap();
+            let _ = conn.read_to_string(&mut got);
+        }
+        if !got.is_empty() {
+            return got;
+        }
+        assert!(Instant::now() < deadline, "{addr} never answered");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn an_exposed_port_answers_before_and_after_sleep_and_a_connection_wakes_its_sandbox() {
+    let dir = TestDir::new("serve-port-guest");
+    let (_uplink, uplink_path) = mayfly_tests::netns::uplink();
+    let net_dir = dir.arg("net");
+    let m = Manager::start_with(&dir, &["--net-uplink", &uplink_path, "--net-dir", &net_dir]);
+    // Jailed (the default), with a NIC that reaches one documentation address only.
+    let token = m.create(json!({ "name": "web", "net": "allow=192.0.2.1" }));
+    let vm = m.describe("web");
+    assert_eq!(vm["jailed"], true);
+    let sock = std::path::PathBuf::from(vm["socket"].as_str().unwrap());
+    wait_agent(&sock, BOOT_TIMEOUT);
+    let (code, out) = shell(
+        &m,
+        &token,
+        "web",
+        "(while true; do echo served-by-guest | nc -l -p 8080; done) </dev/null >/dev/null 2>&1 & echo ok",
+    );
+    assert_eq!((code, out.as_str()), (0, "ok\n"));
+    let (status, opened) = m.admin(
+        "POST",
+        "/sandboxes/web/ports",
+        Some(json!({"guest_port": 8080})),
+    );
+    assert_eq!(status, 201, "{opened}");
+    let addr: std::net::SocketAddr = opened["host"]
+        .as_str()
+        .unwrap()
+        .strip_prefix("tcp:")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(answer_at(addr), "served-by-guest\n");
+
+    // Asleep, its VMM gone: a connection to its port wakes it, and its server answers.
+    let pid = vm["pid"].as_u64().unwrap();
+    let (status, body) = m.admin("PUT", "/sandboxes/web/pause", None);
+    assert_eq!(
+        (status, body["state"].as_str()),
+        (200, Some("suspended")),
+        "{body}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while alive(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "the sleeping sandbox's VMM still runs"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(answer_at(addr), "served-by-guest\n");
+    let awake = m.describe("web");
+    assert_eq!(
+        (awake["state"].as_str(), awake["wakes"].as_u64()),
+        (Some("running"), Some(1)),
+        "{awake}"
+    );
+    assert_eq!(m.admin("DELETE", "/sandboxes/web", None).0, 200);
+}
