@@ -308,3 +308,93 @@ fn an_exposed_port_answers_before_and_after_sleep_and_a_connection_wakes_its_san
     );
     assert_eq!(m.admin("DELETE", "/sandboxes/web", None).0, 200);
 }
+
+#[test]
+fn a_jailed_networked_sandbox_forks_into_three_each_with_its_own_network_uid_and_disk() {
+    let dir = TestDir::new("serve-fork-net");
+    let (_uplink, uplink_path) = mayfly_tests::netns::uplink();
+    let net_dir = dir.arg("net");
+    let m = Manager::start_with(&dir, &["--net-uplink", &uplink_path, "--net-dir", &net_dir]);
+    let token = m.create(json!({ "name": "src", "net": "allow=192.0.2.1" }));
+    let sock = std::path::PathBuf::from(m.describe("src")["socket"].as_str().unwrap());
+    wait_agent(&sock, BOOT_TIMEOUT);
+    let (code, _) = shell(&m, &token, "src", "echo source > /root/mark");
+    assert_eq!(code, 0);
+    let (status, forked) = m.admin("POST", "/sandboxes/src/fork", Some(json!({"count": 3})));
+    assert_eq!(status, 201, "{forked}");
+    let clones: Vec<(String, String)> = forked["clones"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["name"].as_str().unwrap().to_string(),
+                c["token"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(clones.len(), 3);
+    let mut macs = std::collections::BTreeSet::new();
+    let mut outside = std::collections::BTreeSet::new();
+    let mut uids = std::collections::BTreeSet::new();
+    let net_of = |name: &str, token: &str| -> Value {
+        let (status, net) = call(
+            &m.sock,
+            Some(token),
+            "GET",
+            &format!("/sandboxes/{name}/vm/net"),
+            None,
+        );
+        assert_eq!(status, 200, "{net}");
+        net
+    };
+    let src_net = net_of("src", &token);
+    macs.insert(src_net["guest"]["mac"].as_str().unwrap().to_string());
+    outside.insert(src_net["outside_ip"].as_str().unwrap().to_string());
+    uids.insert(m.describe("src")["uid"].as_u64().unwrap());
+    for (i, (name, token)) in clones.iter().enumerate() {
+        let net = net_of(name, token);
+        assert_eq!(net["policy"], "allow=192.0.2.1/32", "{net}");
+        let mac = net["guest"]["mac"].as_str().unwrap().to_string();
+        // Its guest took on its own MAC (the agent's refresh after the fork).
+        let deadline = Instant::now() + BOOT_TIMEOUT;
+        loop {
+            let (_, out) = shell(&m, token, name, "cat /sys/class/net/eth0/address");
+            if out.trim() == mac {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name}'s guest kept the MAC {out:?}, not {mac}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        macs.insert(mac);
+        outside.insert(net["outside_ip"].as_str().unwrap().to_string());
+        let described = m.describe(name);
+        assert_eq!(described["jailed"], true);
+        uids.insert(described["uid"].as_u64().unwrap());
+        // Its disk: the source's file, and its own write, which no other sees.
+        let (code, out) = shell(
+            &m,
+            token,
+            name,
+            &format!("cat /root/mark; echo clone-{i} > /root/own"),
+        );
+        assert_eq!(code, 0, "{out}");
+        assert!(out.starts_with("source\n"), "{out}");
+    }
+    for (i, (name, token)) in clones.iter().enumerate() {
+        let (_, out) = shell(&m, token, name, "cat /root/own");
+        assert_eq!(out, format!("clone-{i}\n"), "{name} sees another's write");
+    }
+    assert_eq!(macs.len(), 4, "MACs: {macs:?}");
+    assert_eq!(outside.len(), 4, "outside addresses: {outside:?}");
+    assert_eq!(uids.len(), 4, "uids: {uids:?}");
+    for name in clones.iter().map(|(n, _)| n.as_str()).chain(["src"]) {
+        assert_eq!(
+            m.admin("DELETE", &format!("/sandboxes/{name}"), None).0,
+            200
+        );
+    }
+}

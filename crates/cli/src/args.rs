@@ -246,6 +246,11 @@ pub(crate) struct RestoreArgs {
     /// `none` keeps the NIC but lets nothing out). Only for a snapshot of a VM with a NIC.
     #[arg(long, value_name = "none|open|allow=...")]
     pub(crate) net: Option<String>,
+    /// Give the restored NIC a fresh MAC rather than the snapshot's, as a clone's (its
+    /// guest's agent takes it on; until then its frames are dropped as spoofed): for another
+    /// VM made from the same snapshot, which must not speak as the first.
+    #[arg(long)]
+    pub(crate) new_mac: bool,
     #[command(flatten)]
     pub(crate) net_place: NetPlaceArgs,
     #[command(flatten)]

@@ -223,7 +223,7 @@ fn restore_instance(args: RestoreArgs) -> Result<(MemoryMode, Instance, Option<P
             net: mayfly_vmm::devices::net::NetTargets {
                 settings: args.net_place.settings(),
                 policy: net_policy,
-                new_mac: false,
+                new_mac: args.new_mac,
             },
         },
     };

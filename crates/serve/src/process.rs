@@ -352,6 +352,8 @@ pub enum Start<'a> {
     Restore {
         snapshot: &'a Path,
         net: Option<&'a str>,
+        /// A fresh MAC for its NIC (`mayfly restore --new-mac`): a fork's clone.
+        new_mac: bool,
     },
 }
 
@@ -395,7 +397,11 @@ pub fn launch(
 ) -> Result<Vmm, ServeError> {
     let mut command = Command::new(how.mayfly);
     match &how.start {
-        Start::Restore { snapshot, net } => {
+        Start::Restore {
+            snapshot,
+            net,
+            new_mac,
+        } => {
             // Layers it names by full path must be its own (see disks::open_for_restore).
             command
                 .arg("restore")
@@ -404,6 +410,9 @@ pub fn launch(
                 .arg(how.vm_dir);
             if let Some(net) = net {
                 command.args(["--net", net]);
+            }
+            if *new_mac {
+                command.arg("--new-mac");
             }
         }
         Start::Boot(args) => {

@@ -261,6 +261,9 @@ impl Sandbox {
                 Start::Restore {
                     snapshot,
                     net: if wake { None } else { spec.net.as_deref() },
+                    // A fork's clone is not its source: its NIC gets a MAC of its own (kept
+                    // by its snapshots from then on).
+                    new_mac: !wake && lock(&self.view).fork.is_some(),
                 }
             }
             None => Start::Boot(spec.run_args()),
