@@ -19,6 +19,12 @@
 //!   put to sleep one after another, then all of them asleep at once: disk in all, VMM
 //!   processes left, and one of them woken at the end.
 //!
+//! - **composed** (issue "the pieces compose"): a create from a template with a NIC through
+//!   the default (jailed) manager, against a create from a template without one through a
+//!   manager started with `--no-jail`, interleaved; manager forks into 1 and 10 against
+//!   `mayfly fork` (`PUT /vm/fork`) of a plain unjailed VMM into the same counts, in the same
+//!   run. Networks go out to a namespace the benchmark makes (`--net-uplink`).
+//!
 //! Targets (issue "sandbox manager"): create from a template ≤ 1.5× a plain restore;
 //! wake-on-exec ≤ 1.5× restore → first answer; overhead per call ≤ 1 ms; disk per parked
 //! sandbox ≤ its dirtied pages + 1 MiB.
@@ -118,6 +124,18 @@ struct Report {
     fork_10_ms: f64,
     /// Its snapshot's part.
     fork_10_snapshot_ms: f64,
+    /// A create from a template with a NIC, jailed (the default manager) → 201.
+    create_jailed_with_net_ms: Stats,
+    /// A create from a template without a NIC through a manager started with --no-jail.
+    create_unjailed_without_net_ms: Stats,
+    /// Median jailed networked create / median unjailed create without a network (target ≤ 1.5).
+    jailed_net_over_unjailed: f64,
+    /// Manager fork of a running sandbox into N (→ 201), and `mayfly fork` of a plain VMM
+    /// into N (`PUT /vm/fork` → its answer), N = 1 and 10, one sample each per round.
+    manager_fork_ms: Vec<(usize, Stats)>,
+    mayfly_fork_ms: Vec<(usize, Stats)>,
+    /// Median manager fork / median `mayfly fork`, per N (target at 100: ≤ 1.5).
+    manager_over_mayfly_fork: Vec<(usize, f64)>,
 }
 
 fn ms(since: Instant) -> f64 {
@@ -165,7 +183,10 @@ fn plain_restore(snap: &Path, sock: &Path, console: &Path, jail: bool) -> f64 {
 fn main() {
     let args = Args::parse();
     let dir = TestDir::new("serve-bench");
-    let m = Manager::start(&dir);
+    // Networks (the composed phase) go out to a namespace of the benchmark's own.
+    let (_uplink, uplink_path) = mayfly_tests::netns::uplink();
+    let net_dir = dir.arg("net");
+    let m = Manager::start_with(&dir, &["--net-uplink", &uplink_path, "--net-dir", &net_dir]);
     let spec = |name: &str| {
         json!({
             "name": name,
@@ -252,6 +273,8 @@ fn main() {
     );
     ok(status, &fork_10, "fork into 10");
     let fork_10_ms = ms(start);
+
+    let composed = composed(&args, &m, &template);
 
     // Per-call overhead: the same request through the manager and straight to the VMM.
     let vm_sock = PathBuf::from(m.describe("snap0")["socket"].as_str().unwrap());
@@ -363,7 +386,34 @@ fn main() {
         fork_1_snapshot_ms: Stats::of(&fork_1_snapshot).unwrap_or_default(),
         fork_10_ms,
         fork_10_snapshot_ms: fork_10["snapshot_ms"].as_f64().unwrap_or(f64::NAN),
+        jailed_net_over_unjailed: median(&composed.net_create) / median(&composed.bare_create),
+        create_jailed_with_net_ms: Stats::of(&composed.net_create).unwrap_or_default(),
+        create_unjailed_without_net_ms: Stats::of(&composed.bare_create).unwrap_or_default(),
+        manager_over_mayfly_fork: composed
+            .manager_fork
+            .iter()
+            .zip(&composed.mayfly_fork)
+            .map(|((n, a), (_, b))| (*n, median(a) / median(b)))
+            .collect(),
+        manager_fork_ms: composed
+            .manager_fork
+            .iter()
+            .map(|(n, v)| (*n, Stats::of(v).unwrap_or_default()))
+            .collect(),
+        mayfly_fork_ms: composed
+            .mayfly_fork
+            .iter()
+            .map(|(n, v)| (*n, Stats::of(v).unwrap_or_default()))
+            .collect(),
     };
+    eprintln!(
+        "serve bench: jailed create with a NIC {:.2} ms vs unjailed without {:.2} ms ({:.2}x); \
+         manager fork / mayfly fork: {:?}",
+        median(&composed.net_create),
+        median(&composed.bare_create),
+        report.jailed_net_over_unjailed,
+        report.manager_over_mayfly_fork
+    );
     eprintln!(
         "serve bench: create from a template {:.2} ms vs plain restore {:.2} ms ({:.2}x; jailed \
          {:.2} ms, {:.2}x), wake on request {:.2} ms ({:.2}x), suspend {:.1} ms, overhead per \
@@ -426,4 +476,115 @@ fn du_own(path: &Path, shared: &HashSet<(u64, u64)>) -> u64 {
         total += meta.blocks() * 512
     });
     total
+}
+
+/// What the composed phase measured.
+struct Composed {
+    net_create: Vec<f64>,
+    bare_create: Vec<f64>,
+    manager_fork: Vec<(usize, Vec<f64>)>,
+    mayfly_fork: Vec<(usize, Vec<f64>)>,
+}
+
+/// The composed sandbox against its parts: see the module docs.
+fn composed(args: &Args, m: &Manager, template: &serde_json::Value) -> Composed {
+    const COUNTS: [usize; 2] = [1, 10];
+    let unjailed_dir = TestDir::new("serve-bench-unjailed");
+    let u = Manager::start_with(&unjailed_dir, &["--no-jail"]);
+    let mut net_template = template.clone();
+    net_template["net"] = json!("allow=192.0.2.1");
+    // Each template built once before the timed creates.
+    m.create(json!({ "name": "net-warm", "template": net_template }));
+    u.create(json!({ "name": "bare-warm", "template": template }));
+    // A plain unjailed VMM for `mayfly fork`, and a running sandbox for the manager's.
+    let sock = unjailed_dir.join("plain-fork.sock");
+    let sock_arg = sock.to_string_lossy().into_owned();
+    let mem = args.mem_mib.to_string();
+    let log = unjailed_dir.arg("plain-fork.log");
+    let _vmm = Guest::start(&[
+        "run",
+        "--probe",
+        "--kernel",
+        probe::ELF,
+        "--mem-mib",
+        &mem,
+        "--cmdline",
+        "touch=1",
+        "--api-sock",
+        &sock_arg,
+        "--console",
+        &log,
+    ]);
+    while !matches!(
+        mayfly_api::request_with_timeout(&sock, "GET", "/vm", None, Duration::from_secs(5)),
+        Ok((200, _))
+    ) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut out = Composed {
+        net_create: Vec::new(),
+        bare_create: Vec::new(),
+        manager_fork: COUNTS.iter().map(|n| (*n, Vec::new())).collect(),
+        mayfly_fork: COUNTS.iter().map(|n| (*n, Vec::new())).collect(),
+    };
+    for i in 0..args.runs {
+        eprintln!("serve bench: composed round {}/{}", i + 1, args.runs);
+        let start = Instant::now();
+        let (status, body) = m.admin(
+            "POST",
+            "/sandboxes",
+            Some(json!({ "name": format!("net{i}"), "template": net_template, "net": "allow=192.0.2.1" })),
+        );
+        ok(status, &body, "jailed create with a NIC");
+        out.net_create.push(ms(start));
+        let start = Instant::now();
+        let (status, body) = u.admin(
+            "POST",
+            "/sandboxes",
+            Some(json!({ "name": format!("bare{i}"), "template": template })),
+        );
+        ok(status, &body, "unjailed create without a NIC");
+        out.bare_create.push(ms(start));
+        for (k, count) in COUNTS.iter().enumerate() {
+            let start = Instant::now();
+            let (status, body) = m.admin(
+                "POST",
+                "/sandboxes/net-warm/fork",
+                Some(json!({ "count": count })),
+            );
+            ok(status, &body, "manager fork");
+            out.manager_fork[k].1.push(ms(start));
+            for clone in body["clones"].as_array().into_iter().flatten() {
+                let name = clone["name"].as_str().unwrap_or_default();
+                m.admin("DELETE", &format!("/sandboxes/{name}"), None);
+            }
+            let start = Instant::now();
+            let (status, body) = mayfly_api::request_with_timeout(
+                &sock,
+                "PUT",
+                "/vm/fork",
+                Some(&json!({ "count": count })),
+                Duration::from_secs(120),
+            )
+            .expect("the plain VMM answers its fork");
+            ok(status, &body, "mayfly fork");
+            out.mayfly_fork[k].1.push(ms(start));
+            for clone in body["clones"].as_array().into_iter().flatten() {
+                if let Some(pid) = clone["pid"]
+                    .as_u64()
+                    .and_then(|p| libc::pid_t::try_from(p).ok())
+                {
+                    // SAFETY: kill(2) of a clone this benchmark's fork made.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
+        }
+    }
+    for i in 0..args.runs {
+        m.admin("DELETE", &format!("/sandboxes/net{i}"), None);
+        u.admin("DELETE", &format!("/sandboxes/bare{i}"), None);
+    }
+    m.admin("DELETE", "/sandboxes/net-warm", None);
+    u.admin("DELETE", "/sandboxes/bare-warm", None);
+    out
 }

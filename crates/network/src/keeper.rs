@@ -99,8 +99,9 @@ impl Keeper {
     }
 
     /// Answer the VMM on `channel` until it closes its end (it has ended). Malformed or
-    /// oversized requests are refused, never acted on.
-    pub fn serve(&self, channel: &UnixDatagram) {
+    /// oversized requests are refused, never acted on. `made` is called once the network is
+    /// made, before the VMM is answered.
+    pub fn serve(&self, channel: &UnixDatagram, made: &mut dyn FnMut()) {
         let mut buf = vec![0u8; MAX_MESSAGE];
         let mut last_described: Option<std::time::Instant> = None;
         loop {
@@ -149,6 +150,11 @@ impl Keeper {
                     None,
                 ),
             };
+            // What serves the network is there before the VMM hears it has one (so before
+            // its control socket answers).
+            if matches!(answer.0, Answer::Made(_)) {
+                made();
+            }
             self.answer(channel, seq, answer.0, answer.1);
         }
     }
@@ -383,7 +389,7 @@ mod tests {
     fn keeper_for(pid: u32) -> UnixDatagram {
         let (vmm, ours) = mayfly_sys::seqpacket::pair().unwrap();
         let keeper = Arc::new(Keeper::new(pid));
-        std::thread::spawn(move || keeper.serve(&ours));
+        std::thread::spawn(move || keeper.serve(&ours, &mut || {}));
         vmm.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         vmm
     }

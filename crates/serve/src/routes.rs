@@ -635,8 +635,13 @@ fn pass_to_vmm(
     let (_activity, sock) = manager.enter(sandbox)?;
     // A jailed sandbox's network is kept outside its jail, and its policy changed there
     // alone (the VMM, which its guest may have taken over, cannot).
-    let sock = if sandbox.jailed() && (vm == "/vm/net/policy" || vm == "/vm/net/expose") {
-        mayfly_api::network_socket(&sock)
+    // (A jailed VM without a NIC has no such socket: its VMM says it has no NIC.)
+    let kept = mayfly_api::network_socket(&sock);
+    let sock = if sandbox.jailed()
+        && (vm == "/vm/net/policy" || vm == "/vm/net/expose")
+        && kept.exists()
+    {
+        kept
     } else {
         sock
     };

@@ -6,13 +6,15 @@
 //! the waiter holds them ([`keep_network`]): the VMM asks it for the network before its jail
 //! is locked down and gets the tap back (`mayfly_network::keeper`), and the policy is changed
 //! through the waiter alone, at a control socket of its own beside the VM's: `<api-sock>.net`,
-//! mode 0600, so only root reaches it. It answers the VM's own routes for its network:
-//! `GET /vm/net` and `PUT /vm/net/policy`. The VMM never changes the policy: a guest that
-//! took over its VMM still cannot open its own egress.
+//! mode 0600, so only root reaches it, made once the VM has its network. It answers the VM's
+//! own routes for its network: `GET /vm/net`, `PUT /vm/net/policy` and `PUT /vm/net/expose`.
+//! The VMM never changes the policy nor exposes a port: a guest that took over its VMM still
+//! cannot open its own egress.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{channel, Receiver};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use mayfly_api::guest::{Call, Context, GuestRoutes, Outcome};
 use mayfly_api::http::Request;
@@ -22,39 +24,48 @@ use mayfly_network::keeper::Keeper;
 
 pub use mayfly_api::network_socket;
 
-/// The waiter's work for a jailed VM that may have a NIC: keep its network, and serve its
-/// network routes at `sock` (none: its policy cannot be changed while it runs).
+/// The waiter's work for a jailed VM that may have a NIC: keep its network, and once it has
+/// one, serve its network routes at `sock` (none: its policy cannot be changed while it
+/// runs). A VM without a NIC costs a thread that waits, and no socket.
 pub fn keep_network(sock: Option<PathBuf>) -> OutsideWork {
     Box::new(move |vmm_pid, vmm| {
         let keeper = Arc::new(Keeper::new(vmm_pid));
-        // The socket first, while the waiter has one thread: its mode is set by the umask.
-        let server = sock.and_then(|path| match serve(&path, Arc::clone(&keeper)) {
-            Ok(server) => Some(server),
-            Err(e) => {
-                eprintln!(
-                    "mayfly: the jailed VM's network policy cannot be changed while it runs: \
-                     cannot serve {}: {e}",
-                    path.display()
-                );
-                None
-            }
-        });
-        let kept = Arc::clone(&keeper);
+        let server: Arc<Mutex<Option<ApiServer>>> = Arc::default();
+        let (kept, serving) = (Arc::clone(&keeper), Arc::clone(&server));
         let answering = std::thread::Builder::new()
             .name("net-keeper".into())
             .stack_size(mayfly_sys::HELPER_THREAD_STACK)
-            .spawn(move || kept.serve(&vmm));
+            .spawn(move || {
+                let mut made = || {
+                    let Some(path) = &sock else { return };
+                    match serve(path, Arc::clone(&kept)) {
+                        Ok(started) => *lock(&serving) = Some(started),
+                        Err(e) => eprintln!(
+                            "mayfly: the jailed VM's network policy cannot be changed while \
+                             it runs: cannot serve {}: {e}",
+                            path.display()
+                        ),
+                    }
+                };
+                kept.serve(&vmm, &mut made);
+            });
         if let Err(e) = answering {
             // The VMM's request for a network then fails (nobody answers): it says so.
             eprintln!("mayfly: cannot start the jailed VM's network keeper: {e}");
         }
         Box::new(move || {
-            if let Some(server) = server {
+            if let Some(server) = lock(&server).take() {
                 server.shutdown();
             }
             keeper.end();
         })
     })
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// No guest routes here: this socket is for the VM's network alone.
@@ -73,18 +84,21 @@ impl GuestRoutes for NetworkOnly {
 }
 
 const ONLY_NETWORK: &str = "this socket is the jail waiter's, for the VM's network only: GET \
-    /vm/net, PUT /vm/net/policy and PUT /vm/net/expose; everything else goes to the VM's control socket (this \
-    path without .net)";
+    /vm/net, PUT /vm/net/policy and PUT /vm/net/expose; everything else goes to the VM's \
+    control socket (this path without .net)";
 
 fn serve(path: &Path, keeper: Arc<Keeper>) -> Result<ApiServer, mayfly_api::ApiError> {
     let (calls, answered) = channel::<ApiCall>();
-    // SAFETY: umask has no memory effects; the waiter has one thread here, so no other file
-    // is made meanwhile with this mask.
+    // Root's alone: made with no permission for anyone else (the waiter's other threads make
+    // no files meanwhile), and set so again in case the umask was not kept.
+    // SAFETY: umask has no memory effects.
     let old = unsafe { libc::umask(0o177) };
     let server = ApiServer::start(path, calls, |call| call, Arc::new(NetworkOnly));
     // SAFETY: as above.
     unsafe { libc::umask(old) };
     let server = server?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(mayfly_api::ApiError::Thread)?;
     std::thread::Builder::new()
         .name("net-policy".into())
         .stack_size(mayfly_sys::HELPER_THREAD_STACK)
