@@ -1199,6 +1199,12 @@ fn a_jailed_sandbox_has_a_network_whose_policy_the_admin_changes_and_sleep_keeps
     );
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["policy"], "allow=198.51.100.0/24", "{body}");
+    // The record keeps it as the waiter says it: what a wake is restored with.
+    let record: Value = serde_json::from_slice(
+        &std::fs::read(m.state.join("sandboxes/netted/sandbox.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(record["net_policy"], "allow=198.51.100.0/24", "{record}");
 
     // Asleep and awake again, it has the policy the admin set, in a network of its own.
     let (status, body) = m.admin("PUT", "/sandboxes/netted/pause", None);
@@ -1389,6 +1395,11 @@ fn an_exposed_port_is_the_managers_kept_across_sleep_and_restarts_and_a_connecti
         listed["ports"],
         json!([{"guest_port": 8080, "host": host, "listening": true}])
     );
+    let unix_path = dir.join("porty-9000.sock");
+    let unix_host = format!("unix:{}", unix_path.display());
+    let (status, body) = post(&m, "porty", json!({"guest_port": 9000, "host": unix_host}));
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["host"], unix_host.as_str());
 
     // Asleep, its port still listens; a connection wakes it (the probe guest serves no TCP,
     // so the connection is then closed from the guest's side).
@@ -1416,7 +1427,20 @@ fn an_exposed_port_is_the_managers_kept_across_sleep_and_restarts_and_a_connecti
     let (status, listed) = m.admin("GET", "/sandboxes/porty/ports", None);
     assert_eq!(status, 200, "{listed}");
     assert_eq!(listed["ports"][0]["listening"], true, "{listed}");
+    assert_eq!(listed["ports"][1]["listening"], true, "{listed}");
     drop(std::net::TcpStream::connect(addr).expect("the port listens after a restart"));
+    // The Unix socket the killed manager left is cleared and listened on again.
+    drop(
+        std::os::unix::net::UnixStream::connect(&unix_path).expect("the unix port after a restart"),
+    );
+    assert_eq!(
+        m.admin("DELETE", "/sandboxes/porty/ports/9000", None).0,
+        200
+    );
+    assert!(
+        !unix_path.exists(),
+        "a closed unix port's socket is removed"
+    );
 
     // Closed, it no longer listens; closed again, it is not there.
     let (status, body) = m.admin("DELETE", "/sandboxes/porty/ports/8080", None);
@@ -1446,14 +1470,25 @@ fn an_exposed_port_is_the_managers_kept_across_sleep_and_restarts_and_a_connecti
         .parse()
         .unwrap();
     assert_eq!(m.admin("DELETE", "/sandboxes/porty", None).0, 200);
-    let deadline = Instant::now() + Duration::from_secs(10);
+    // Made again under its name at once: the old sandbox's port is not the new one's.
+    m.create(json!({
+        "name": "porty",
+        "kernel": probe::ELF,
+        "mem_mib": 64,
+        "cmdline": "touch=1",
+        "probe": true,
+        "net": "allow=192.0.2.0/24",
+    }));
+    let deadline = Instant::now() + Duration::from_secs(5);
     while std::net::TcpStream::connect(addr).is_ok() {
         assert!(
             Instant::now() < deadline,
             "a deleted sandbox's port still listens"
         );
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(10));
     }
+    let (_, listed) = m.admin("GET", "/sandboxes/porty/ports", None);
+    assert_eq!(listed["ports"], json!([]), "{listed}");
 }
 
 fn post(m: &Manager, name: &str, body: Value) -> (u16, Value) {

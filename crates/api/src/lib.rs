@@ -55,9 +55,9 @@ pub use server::{ApiServer, Timeouts, MAX_CONNECTIONS, MAX_GUEST_CALLS};
 mod tests;
 
 /// Where a jailed VM's network is served: its control socket with `.net` added. The jail's
-/// waiter, outside the jail, keeps the VM's network and answers `GET /vm/net` and
-/// `PUT /vm/net/policy` there (mode 0600: root only); the VM's own socket refuses to change
-/// the policy of a jailed VM.
+/// waiter, outside the jail, keeps the VM's network and, once the VM has one, answers
+/// `GET /vm/net`, `PUT /vm/net/policy` and `PUT /vm/net/expose` there (mode 0600: root only);
+/// the VM's own socket refuses to change a jailed VM's policy or expose its ports.
 pub fn network_socket(api_sock: &std::path::Path) -> std::path::PathBuf {
     let mut path = api_sock.as_os_str().to_owned();
     path.push(".net");

@@ -430,9 +430,16 @@ impl NetPlaceArgs {
 
     /// The same options, as the arguments of a VMM the manager starts.
     pub(crate) fn vmm_args(&self) -> Vec<String> {
-        let mut args = vec!["--net-dir".to_string(), self.net_dir.display().to_string()];
+        // Absolute: the VMMs do not start where the manager did.
+        let absolute = |p: &PathBuf| {
+            std::path::absolute(p)
+                .unwrap_or_else(|_| p.clone())
+                .display()
+                .to_string()
+        };
+        let mut args = vec!["--net-dir".to_string(), absolute(&self.net_dir)];
         if let Some(uplink) = &self.net_uplink {
-            args.extend(["--net-uplink".to_string(), uplink.display().to_string()]);
+            args.extend(["--net-uplink".to_string(), absolute(uplink)]);
         }
         if let Some(dns) = self.net_dns {
             args.extend(["--net-dns".to_string(), dns.to_string()]);

@@ -33,8 +33,15 @@ use crate::network::{GuestConfig, Network, NetworkConfig, VmNetwork};
 use crate::policy::Policy;
 use crate::{MacAddr, NetworkError};
 
-/// The largest message either side sends (a description with its counters is ~600 bytes).
+/// The largest answer the keeper sends (a description with its counters is ~600 bytes; a
+/// long allowlist makes a policy longer).
 const MAX_MESSAGE: usize = 64 * 1024;
+/// The largest request the keeper reads (a request for a network is ~300 bytes with its
+/// configuration); a longer one is refused unread.
+const MAX_REQUEST: usize = 16 * 1024;
+/// The least time between two requests the keeper answers: what a VMM its guest took over
+/// can make the waiter (outside the jail's cgroup) do is bounded.
+const REQUEST_GAP: Duration = Duration::from_millis(5);
 /// The least time between two descriptions the keeper makes for its VMM: each reads the
 /// counters with `nft`, a process the waiter starts outside the jail's cgroup, and a VMM its
 /// guest took over could ask without end. A control socket's `GET /vm/net` waits this long
@@ -102,9 +109,13 @@ impl Keeper {
     /// oversized requests are refused, never acted on. `made` is called once the network is
     /// made, before the VMM is answered.
     pub fn serve(&self, channel: &UnixDatagram, made: &mut dyn FnMut()) {
-        let mut buf = vec![0u8; MAX_MESSAGE];
+        let mut buf = vec![0u8; MAX_REQUEST];
         let mut last_described: Option<std::time::Instant> = None;
+        let mut last_answered: Option<std::time::Instant> = None;
         loop {
+            if let Some(t) = last_answered {
+                std::thread::sleep(REQUEST_GAP.saturating_sub(t.elapsed()));
+            }
             let len = match mayfly_sys::seqpacket::receive(channel, &mut buf) {
                 Ok(mayfly_sys::seqpacket::Received::Message(len, _fd)) => len,
                 Ok(mayfly_sys::seqpacket::Received::Truncated(_)) => {
@@ -156,11 +167,15 @@ impl Keeper {
                 made();
             }
             self.answer(channel, seq, answer.0, answer.1);
+            last_answered = Some(std::time::Instant::now());
         }
     }
 
     fn answer(&self, channel: &UnixDatagram, seq: u64, answer: Answer, fd: Option<OwnedFd>) {
-        let bytes = serde_json::to_vec(&(seq, answer)).unwrap_or_default();
+        // (An empty message would read as the end: never sent.)
+        let bytes = serde_json::to_vec(&(seq, answer)).unwrap_or_else(|_| {
+            br#"[0,{"Refused":"an answer that could not be written"}]"#.to_vec()
+        });
         let _ = mayfly_sys::seqpacket::send(channel, &bytes, fd.as_ref().map(|f| f.as_fd()));
     }
 
@@ -430,7 +445,7 @@ mod tests {
         let (seq, answer) = answer_to(&vmm, b"{\"not\": a request");
         assert_eq!(seq, 0);
         assert!(matches!(answer, Answer::Refused(why) if why.contains("malformed")));
-        let (seq, answer) = answer_to(&vmm, &vec![b'x'; MAX_MESSAGE + 1]);
+        let (seq, answer) = answer_to(&vmm, &vec![b'x'; MAX_REQUEST + 1]);
         assert_eq!(seq, 0);
         assert!(matches!(answer, Answer::Refused(why) if why.contains("too large")));
         let (seq, answer) = answer_to(&vmm, &serde_json::to_vec(&(7u64, Request::Policy)).unwrap());

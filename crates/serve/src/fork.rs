@@ -166,6 +166,9 @@ pub fn fork(
         let spec = source.spec();
         (spec.acts_for.clone(), spec.agentless())
     };
+    // A jailed source's policy as its waiter last said it, not the snapshot's (its VMM wrote
+    // that one).
+    let net = crate::util::lock(&source.view).net_policy.clone();
     // 3. The clones, a few at a time.
     let mut made: Vec<Result<Value, (String, ServeError)>> = Vec::with_capacity(names.len());
     for chunk in names.chunks(PARALLEL) {
@@ -178,6 +181,7 @@ pub fn fork(
                         idle_timeout_s: idle,
                         acts_for: acts_for.clone(),
                         no_agent,
+                        net: net.clone(),
                         ..Spec::default()
                     };
                     let (id, clones_made) = (&id, &clones_made);

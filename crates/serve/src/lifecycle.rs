@@ -139,9 +139,12 @@ impl Manager {
                 builder.as_ref().map(|b| b.uid),
             )?);
             // Its NIC gets the policy its create names, never the template's setup's: none
-            // (it reaches nothing) unless the create says otherwise.
+            // (it reaches nothing) unless the create says otherwise. A template without a NIC
+            // makes sandboxes without one (a create's "none" says the same).
             if template.has_nic() && spec.net.is_none() {
                 spec.net = Some("none".into());
+            } else if !template.has_nic() {
+                spec.net = None;
             }
         }
         let token = new_token("mfs_")?;
@@ -185,6 +188,7 @@ impl Manager {
                 vm_paused: false,
                 fork: fork.map(str::to_owned),
                 ports: Vec::new(),
+                net_policy: None,
             };
             let sandbox = Arc::new(Sandbox::new(dir.clone(), record, self.uptime_ms()));
             all.insert(name.to_owned(), Arc::clone(&sandbox));
@@ -231,6 +235,11 @@ impl Manager {
             })?;
             inner.vmm = Some(vmm);
             inner.record.state = State::Running;
+            // A waiter that cannot say leaves a NIC that reaches nothing after a wake: closed,
+            // not whatever the VMM's snapshot says.
+            inner.record.net_policy = self
+                .kept_policy(&sandbox)
+                .unwrap_or_else(|| Some("none".into()));
             sandbox.save(&inner)
         })();
         // Its entry gone before it answers: one left would have the next start undo it.
@@ -314,6 +323,48 @@ impl Manager {
         let uid = self.free_uid(&all)?;
         lock(&self.build_uids).insert(uid);
         Ok(BuildUid { manager: self, uid })
+    }
+
+    /// A jailed sandbox's NIC's policy as its jail's waiter says it (`GET /vm/net` on its
+    /// `.net` socket): `Some(None)` without a NIC (no such socket) or unjailed, `None` if the
+    /// waiter does not answer.
+    pub(crate) fn kept_policy(&self, sandbox: &Sandbox) -> Option<Option<String>> {
+        if !sandbox.jailed() {
+            return Some(None);
+        }
+        let kept = mayfly_api::network_socket(&sandbox.socket());
+        if !kept.exists() {
+            return Some(None);
+        }
+        match mayfly_api::request_with_timeout(
+            &kept,
+            "GET",
+            "/vm/net",
+            None,
+            std::time::Duration::from_secs(10),
+        ) {
+            Ok((200, net)) => net["policy"].as_str().map(|p| Some(p.to_owned())),
+            _ => None,
+        }
+    }
+
+    /// After the admin changed a jailed sandbox's policy: its record keeps the policy its
+    /// waiter now has (what its next wake and its clones get).
+    pub(crate) fn note_policy(&self, sandbox: &Sandbox) {
+        let Some(Some(policy)) = self.kept_policy(sandbox) else {
+            return;
+        };
+        let mut inner = lock(&sandbox.inner);
+        if inner.record.net_policy.as_deref() != Some(policy.as_str()) {
+            inner.record.net_policy = Some(policy);
+            if let Err(e) = sandbox.save(&inner) {
+                self.event(
+                    "record_write_failed",
+                    &sandbox.name,
+                    json!({ "op": "net_policy", "error": e.to_string() }),
+                );
+            }
+        }
     }
 
     /// Start a sandbox's VMM (a boot, or a restore of its own snapshot when `wake`) within the
@@ -824,6 +875,9 @@ impl Manager {
             }
         };
         inner.record.state = State::Deleting;
+        // Its exposed ports stop now, not when their listeners next look (a sandbox made
+        // under the same name meanwhile must not get this one's connections).
+        self.ports.remove_all(&sandbox.name);
         if let Err(e) = sandbox.save(&inner) {
             // Nor this (a full disk again): the record's removal below is what makes it no
             // sandbox; a start after a crash before it finds its VMM gone and lists it dead.

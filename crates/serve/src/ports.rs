@@ -45,11 +45,6 @@ const GUEST_CONNECT: Duration = Duration::from_secs(10);
 /// How often a listener looks whether its sandbox is still there.
 const LOOK_EVERY: Duration = Duration::from_secs(1);
 
-/// One exposure at a time per manager: after a wake, two connections would otherwise both
-/// ask the VMM to expose the port (the second told it is exposed already) or remove each
-/// other's socket.
-static EXPOSING: Mutex<()> = Mutex::new(());
-
 enum Listener {
     Tcp(TcpListener),
     Unix(UnixListener),
@@ -170,6 +165,7 @@ fn bind(addr: &HostAddr) -> Result<(Listener, String, Option<PathBuf>), ServeErr
             Ok((Listener::Tcp(l), format!("tcp:{at}"), None))
         }
         HostAddr::Unix(p) => {
+            clear_stale_socket(p);
             let l = UnixListener::bind(p).map_err(taken)?;
             Ok((
                 Listener::Unix(l),
@@ -177,6 +173,19 @@ fn bind(addr: &HostAddr) -> Result<(Listener, String, Option<PathBuf>), ServeErr
                 Some(p.clone()),
             ))
         }
+    }
+}
+
+/// Remove a socket file at `path` that nobody listens on (a manager that ended left it):
+/// never a file of another kind, nor a socket something answers on.
+fn clear_stale_socket(path: &Path) {
+    use std::os::unix::fs::FileTypeExt;
+    let is_socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
+    if is_socket
+        && UnixStream::connect(path)
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+    {
+        let _ = std::fs::remove_file(path);
     }
 }
 
@@ -234,7 +243,7 @@ impl Manager {
                 sandbox.name
             )));
         }
-        let host = self.listen(&sandbox.name, guest_port, &addr)?;
+        let host = self.listen(sandbox, guest_port, &addr)?;
         inner.record.ports.push(PortRecord {
             guest_port,
             host: host.clone(),
@@ -242,6 +251,8 @@ impl Manager {
         if let Err(e) = sandbox.save(&inner) {
             inner.record.ports.retain(|p| p.guest_port != guest_port);
             self.ports.remove(&sandbox.name, guest_port);
+            // The view as it was (a save sets it before it writes).
+            let _ = sandbox.save(&inner);
             return Err(e);
         }
         drop(inner);
@@ -272,16 +283,25 @@ impl Manager {
     /// Stop exposing `guest_port` of `sandbox`.
     pub(crate) fn close_port(&self, sandbox: &Sandbox, guest_port: u16) -> Result<(), ServeError> {
         let mut inner = lock(&sandbox.inner);
-        let before = inner.record.ports.len();
-        inner.record.ports.retain(|p| p.guest_port != guest_port);
-        if inner.record.ports.len() == before {
+        let Some(at) = inner
+            .record
+            .ports
+            .iter()
+            .position(|p| p.guest_port == guest_port)
+        else {
             return Err(ServeError::NotFound(format!(
                 "guest port {guest_port} of {} is not exposed: GET /sandboxes/{}/ports lists \
                  those that are",
                 sandbox.name, sandbox.name
             )));
+        };
+        let port = inner.record.ports.remove(at);
+        if let Err(e) = sandbox.save(&inner) {
+            // Still exposed, as its listener still runs: the record and view say so again.
+            inner.record.ports.insert(at, port);
+            let _ = sandbox.save(&inner);
+            return Err(e);
         }
-        sandbox.save(&inner)?;
         drop(inner);
         self.ports.remove(&sandbox.name, guest_port);
         self.event(
@@ -300,7 +320,7 @@ impl Manager {
             let ports = lock(&sandbox.view).ports.clone();
             for port in ports {
                 let reopened = parse_host(&port.host)
-                    .and_then(|addr| self.listen(&sandbox.name, port.guest_port, &addr));
+                    .and_then(|addr| self.listen(&sandbox, port.guest_port, &addr));
                 if let Err(e) = reopened {
                     self.event(
                         "port_not_reopened",
@@ -313,7 +333,15 @@ impl Manager {
     }
 
     /// Bind `addr` and start its listener's thread; where it listens.
-    fn listen(&self, name: &str, guest_port: u16, addr: &HostAddr) -> Result<String, ServeError> {
+    fn listen(
+        &self,
+        sandbox: &Sandbox,
+        guest_port: u16,
+        addr: &HostAddr,
+    ) -> Result<String, ServeError> {
+        let name = &sandbox.name;
+        // The listener serves this sandbox, not another made later under its name.
+        let created_ms = lock(&sandbox.view).created_ms;
         let me = self.me.get().cloned().ok_or_else(|| {
             ServeError::Conflict("this manager does not serve ports (it is not serving)".into())
         })?;
@@ -323,10 +351,16 @@ impl Manager {
             path: "a socket pair for a port's listener".into(),
             source,
         })?;
-        let thread_name = name.to_owned();
+        let target = Target {
+            name: name.clone(),
+            created_ms,
+            guest_port,
+            exposing: Arc::default(),
+        };
         let started = std::thread::Builder::new()
             .name("port".into())
-            .spawn(move || listen_loop(&me, &thread_name, guest_port, &listener, &stopped));
+            .stack_size(mayfly_sys::HELPER_THREAD_STACK)
+            .spawn(move || listen_loop(&me, &target, &listener, &stopped));
         if let Err(source) = started {
             if let Some(path) = &unix_path {
                 let _ = std::fs::remove_file(path);
@@ -347,12 +381,32 @@ impl Manager {
     }
 }
 
+/// What a listener's connections go to.
+#[derive(Clone)]
+struct Target {
+    name: String,
+    /// Its sandbox's `created_ms`: a sandbox made later under the same name is another.
+    created_ms: u64,
+    guest_port: u16,
+    /// One exposure at a time for this port: after a wake, two connections would otherwise
+    /// both ask the VMM's side to expose it, or remove each other's socket.
+    exposing: Arc<Mutex<()>>,
+}
+
+impl Target {
+    /// Its sandbox, if it is still there (the same one).
+    fn sandbox(&self, manager: &Manager) -> Option<Arc<Sandbox>> {
+        manager
+            .get(&self.name)
+            .filter(|s| lock(&s.view).created_ms == self.created_ms)
+    }
+}
+
 /// A listener's thread: accept until stopped (the other end of `stopped` closes) or the
 /// sandbox is gone, each connection on a thread of its own.
 fn listen_loop(
     manager: &Weak<Manager>,
-    name: &str,
-    guest_port: u16,
+    target: &Target,
     listener: &Listener,
     stopped: &UnixStream,
 ) {
@@ -372,9 +426,8 @@ fn listen_loop(
         let Some(manager) = manager.upgrade() else {
             return;
         };
-        if manager.get(name).is_none() {
-            // Deleted or expired: its listener goes with it.
-            manager.ports.remove_all(name);
+        if target.sandbox(&manager).is_none() {
+            // Deleted or expired (its delete stops it too): its listener goes with it.
             return;
         }
         if !matches!(ready, Ok(n) if n > 0) {
@@ -390,37 +443,39 @@ fn listen_loop(
             continue;
         }
         open.fetch_add(1, Ordering::SeqCst);
-        let (open, name) = (Arc::clone(&open), name.to_owned());
+        let (open, target) = (Arc::clone(&open), target.clone());
         let relaying = std::thread::Builder::new()
             .name("port-conn".into())
+            .stack_size(mayfly_sys::HELPER_THREAD_STACK)
             .spawn(move || {
-                relay(&manager, &name, guest_port, client);
+                relay(&manager, &target, client);
                 open.fetch_sub(1, Ordering::SeqCst);
             });
-        if relaying.is_err() {
-            // The closure, and the client with it, is dropped: it sees its connection close.
-        }
+        // Not started: the closure, and the client with it, is dropped (it sees its
+        // connection close), and so is its count.
+        drop(relaying);
     }
 }
 
 /// One connection: wake the sandbox, reach its guest's port, relay both ways.
-fn relay(manager: &Manager, name: &str, guest_port: u16, client: Stream) {
-    let Some(sandbox) = manager.get(name) else {
+fn relay(manager: &Manager, target: &Target, client: Stream) {
+    let Some(sandbox) = target.sandbox(manager) else {
         return;
     };
-    let Ok((_activity, sock)) = manager.enter(&sandbox) else {
-        return;
+    let unreachable = |error: String| {
+        manager.event(
+            "port_unreachable",
+            &target.name,
+            json!({ "guest_port": target.guest_port, "error": error }),
+        );
     };
-    let upstream = match guest_stream(&sandbox, &sock, guest_port) {
+    let (_activity, sock) = match manager.enter(&sandbox) {
+        Ok(entered) => entered,
+        Err(e) => return unreachable(e.to_string()),
+    };
+    let upstream = match guest_stream(&sandbox, &sock, target) {
         Ok(s) => s,
-        Err(e) => {
-            manager.event(
-                "port_unreachable",
-                name,
-                json!({ "guest_port": guest_port, "error": e }),
-            );
-            return;
-        }
+        Err(e) => return unreachable(e),
     };
     let upstream = Stream::Unix(upstream);
     let (Ok(client_in), Ok(upstream_out)) = (client.try_clone(), upstream.try_clone()) else {
@@ -441,12 +496,13 @@ fn pump(mut from: Stream, mut to: Stream) {
 
 /// A connection to `guest_port` of the sandbox's guest, through the Unix socket its VMM's
 /// side forwards: exposed now if it is not yet (after a wake: a new VMM).
-fn guest_stream(sandbox: &Sandbox, sock: &Path, guest_port: u16) -> Result<UnixStream, String> {
+fn guest_stream(sandbox: &Sandbox, sock: &Path, target: &Target) -> Result<UnixStream, String> {
+    let guest_port = target.guest_port;
     let path = port_socket(sandbox, guest_port);
     if let Ok(s) = UnixStream::connect(&path) {
         return Ok(s);
     }
-    let _one = lock(&EXPOSING);
+    let _one = lock(&target.exposing);
     if let Ok(s) = UnixStream::connect(&path) {
         return Ok(s);
     }

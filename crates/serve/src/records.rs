@@ -300,6 +300,12 @@ pub struct Record {
     /// wake and the manager's restarts.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ports: Vec<PortRecord>,
+    /// A jailed sandbox's NIC's egress policy, as its jail's waiter last said it (after its
+    /// create and after each change the admin made): what a wake and a clone are restored
+    /// with, never the policy in a snapshot its VMM wrote (a VMM its guest took over could
+    /// have written `open` there). None: no NIC, or not jailed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net_policy: Option<String>,
 }
 
 /// A guest port exposed on the host: where it listens (`tcp:ADDR:PORT` or `unix:PATH`).

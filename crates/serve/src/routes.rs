@@ -634,14 +634,29 @@ fn pass_to_vmm(
     check_what_it_can_do(sandbox, request, vm)?;
     let (_activity, sock) = manager.enter(sandbox)?;
     // A jailed sandbox's network is kept outside its jail, and its policy changed there
-    // alone (the VMM, which its guest may have taken over, cannot).
-    // (A jailed VM without a NIC has no such socket: its VMM says it has no NIC.)
+    // alone (the VMM, which its guest may have taken over, cannot); its state is asked of the
+    // waiter too (such a VMM could lie about it). A jailed VM without a NIC has no such
+    // socket: its VMM says it has no NIC.
     let kept = mayfly_api::network_socket(&sock);
-    let sock = if sandbox.jailed()
-        && (vm == "/vm/net/policy" || vm == "/vm/net/expose")
-        && kept.exists()
-    {
-        kept
+    let network_route = matches!(vm, "/vm/net" | "/vm/net/policy" | "/vm/net/expose");
+    let sock = if sandbox.jailed() && network_route {
+        if kept.exists() {
+            kept
+        } else if crate::util::lock(&sandbox.view).net_policy.is_some() {
+            return Err(Refused::new(
+                502,
+                format!(
+                    "sandbox {} has a NIC, but its jail's waiter, which keeps its network, does \
+                     not serve it (its socket {} is gone): its network cannot be looked at or \
+                     changed now; PUT /sandboxes/{}/pause and a request after it start it anew",
+                    sandbox.name,
+                    kept.display(),
+                    sandbox.name
+                ),
+            ));
+        } else {
+            sock
+        }
     } else {
         sock
     };
@@ -706,6 +721,9 @@ fn pass_to_vmm(
         // the sandbox from going idle.
         let _ = client.set_write_timeout(Some(CLIENT_WRITE_TIMEOUT));
         let relayed = relay(&vmm, client, &bounds);
+        if vm == "/vm/net/policy" && relayed.first.starts_with(b"HTTP/1.1 2") {
+            manager.note_policy(sandbox);
+        }
         // The first bytes say the status: an exec answered with an error counts as failed.
         if exec && !relayed.first.starts_with(b"HTTP/1.1 2") {
             manager.metrics.execs_failed.fetch_add(1, Ordering::Relaxed);

@@ -105,6 +105,7 @@ impl Sandbox {
             vm_paused: false,
             fork: None,
             ports: Vec::new(),
+            net_policy: None,
         };
         let mut sandbox = Sandbox::new(dir.to_path_buf(), record, 0);
         sandbox.group = format!("t-{name}");
@@ -248,6 +249,13 @@ impl Sandbox {
         // VMM's own allowance.
         let memory_limit = guest_bytes.saturating_add(launcher.allowance);
         let _reservation = (launcher.reserve)(&self.name, memory_limit)?;
+        // A wake gets the policy the jail's waiter last said, not the snapshot's (which its
+        // VMM wrote).
+        let kept_policy = if wake {
+            lock(&self.view).net_policy.clone()
+        } else {
+            None
+        };
         let start = match &restore_from {
             Some(snapshot) => {
                 // A snapshot the manager keeps was written by a VMM (jailed, perhaps
@@ -260,7 +268,11 @@ impl Sandbox {
                 // The snapshot's policy is kept on wake; a first restore may set one.
                 Start::Restore {
                     snapshot,
-                    net: if wake { None } else { spec.net.as_deref() },
+                    net: if wake {
+                        kept_policy.as_deref()
+                    } else {
+                        spec.net.as_deref()
+                    },
                     // A fork's clone is not its source: its NIC gets a MAC of its own (kept
                     // by its snapshots from then on).
                     new_mac: !wake && lock(&self.view).fork.is_some(),

@@ -30,7 +30,9 @@ pub use mayfly_api::network_socket;
 pub fn keep_network(sock: Option<PathBuf>) -> OutsideWork {
     Box::new(move |vmm_pid, vmm| {
         let keeper = Arc::new(Keeper::new(vmm_pid));
-        let server: Arc<Mutex<Option<ApiServer>>> = Arc::default();
+        // The server once made, and whether the VMM has ended (then a server made late is
+        // shut down at once).
+        let server: Arc<Mutex<(Option<ApiServer>, bool)>> = Arc::default();
         let (kept, serving) = (Arc::clone(&keeper), Arc::clone(&server));
         let answering = std::thread::Builder::new()
             .name("net-keeper".into())
@@ -39,7 +41,14 @@ pub fn keep_network(sock: Option<PathBuf>) -> OutsideWork {
                 let mut made = || {
                     let Some(path) = &sock else { return };
                     match serve(path, Arc::clone(&kept)) {
-                        Ok(started) => *lock(&serving) = Some(started),
+                        Ok(started) => {
+                            let mut held = lock(&serving);
+                            if held.1 {
+                                started.shutdown();
+                            } else {
+                                held.0 = Some(started);
+                            }
+                        }
                         Err(e) => eprintln!(
                             "mayfly: the jailed VM's network policy cannot be changed while \
                              it runs: cannot serve {}: {e}",
@@ -54,7 +63,12 @@ pub fn keep_network(sock: Option<PathBuf>) -> OutsideWork {
             eprintln!("mayfly: cannot start the jailed VM's network keeper: {e}");
         }
         Box::new(move || {
-            if let Some(server) = lock(&server).take() {
+            let started = {
+                let mut held = lock(&server);
+                held.1 = true;
+                held.0.take()
+            };
+            if let Some(server) = started {
                 server.shutdown();
             }
             keeper.end();
@@ -119,7 +133,7 @@ fn answer(calls: &Receiver<ApiCall>, keeper: &Keeper) {
             Action::NetPolicy(policy) => match keeper.set_policy(policy.clone()) {
                 Some(Ok(described)) => Reply::ok(described),
                 // Names are resolved now; a policy that cannot be applied leaves the old one.
-                Some(Err(e)) => Reply::error(400, e.to_string()),
+                Some(Err(e)) => Reply::error(policy_status(&e), e.to_string()),
                 None => Reply::error(404, NO_NIC),
             },
             Action::NetExpose { port, on } => match keeper.expose(*port, on.clone()) {
@@ -130,11 +144,36 @@ fn answer(calls: &Receiver<ApiCall>, keeper: &Keeper) {
                         mayfly_network::HostEndpoint::Unix(path) => format!("unix:{}", path.display()),
                     },
                 })),
-                Some(Err(e)) => Reply::error(409, e.to_string()),
+                Some(Err(e)) => Reply::error(expose_status(&e), e.to_string()),
                 None => Reply::error(404, NO_NIC),
             },
             _ => Reply::error(404, ONLY_NETWORK),
         };
         call.respond(reply);
+    }
+}
+
+/// A policy that cannot be applied: the request's fault (400: it names nothing resolvable,
+/// or only what no VM reaches), or the host's (500).
+fn policy_status(e: &mayfly_network::NetworkError) -> u16 {
+    use mayfly_network::NetworkError as E;
+    match e {
+        E::Policy(_) | E::BadNet { .. } | E::BadReach(_) => 400,
+        _ => 500,
+    }
+}
+
+/// A port that cannot be exposed: taken or exposed already (409), or the host's fault (500).
+fn expose_status(e: &mayfly_network::NetworkError) -> u16 {
+    match e {
+        mayfly_network::NetworkError::Expose { source, .. }
+            if matches!(
+                source.kind(),
+                std::io::ErrorKind::AddrInUse | std::io::ErrorKind::AlreadyExists
+            ) =>
+        {
+            409
+        }
+        _ => 500,
     }
 }
