@@ -50,3 +50,31 @@ pub fn links_in(ns: &File) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// Where a test's VMs make their networks: a namespace of its own for them to go out to, and
+/// a directory under the test's for their slot locks.
+pub struct TestNet {
+    /// The uplink namespace (held open while the test runs).
+    pub ns: File,
+    /// `--net-uplink PATH --net-dir DIR`, for `mayfly run|restore|serve`.
+    args: [String; 4],
+}
+
+impl TestNet {
+    pub fn new(dir: &crate::guest::TestDir) -> TestNet {
+        let (ns, path) = uplink();
+        TestNet {
+            ns,
+            args: [
+                "--net-uplink".into(),
+                path,
+                "--net-dir".into(),
+                dir.arg("net"),
+            ],
+        }
+    }
+
+    pub fn args(&self) -> Vec<&str> {
+        self.args.iter().map(String::as_str).collect()
+    }
+}

@@ -252,9 +252,8 @@ fn answer_at(addr: std::net::SocketAddr) -> String {
 #[test]
 fn an_exposed_port_answers_before_and_after_sleep_and_a_connection_wakes_its_sandbox() {
     let dir = TestDir::new("serve-port-guest");
-    let (_uplink, uplink_path) = mayfly_tests::netns::uplink();
-    let net_dir = dir.arg("net");
-    let m = Manager::start_with(&dir, &["--net-uplink", &uplink_path, "--net-dir", &net_dir]);
+    let net = mayfly_tests::netns::TestNet::new(&dir);
+    let m = Manager::start_with(&dir, &net.args());
     // Jailed (the default), with a NIC that reaches one documentation address only.
     let token = m.create(json!({ "name": "web", "net": "allow=192.0.2.1" }));
     let vm = m.describe("web");
@@ -312,9 +311,8 @@ fn an_exposed_port_answers_before_and_after_sleep_and_a_connection_wakes_its_san
 #[test]
 fn a_jailed_networked_sandbox_forks_into_three_each_with_its_own_network_uid_and_disk() {
     let dir = TestDir::new("serve-fork-net");
-    let (_uplink, uplink_path) = mayfly_tests::netns::uplink();
-    let net_dir = dir.arg("net");
-    let m = Manager::start_with(&dir, &["--net-uplink", &uplink_path, "--net-dir", &net_dir]);
+    let net = mayfly_tests::netns::TestNet::new(&dir);
+    let m = Manager::start_with(&dir, &net.args());
     let token = m.create(json!({ "name": "src", "net": "allow=192.0.2.1" }));
     let sock = std::path::PathBuf::from(m.describe("src")["socket"].as_str().unwrap());
     wait_agent(&sock, BOOT_TIMEOUT);

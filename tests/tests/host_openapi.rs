@@ -121,19 +121,10 @@ fn schemathesis_finds_the_manager_true_to_its_openapi_document() {
     // Jailed sandboxes (the default), and a memory budget: generated creates and forks meet
     // it (429) before they can take the host's memory. A generated create with a network
     // gets it in a namespace of this test's own, never on the host's.
-    let (_uplink, uplink_path) = mayfly_tests::netns::uplink();
-    let net_dir = dir.arg("net");
-    let m = Manager::start_with(
-        &dir,
-        &[
-            "--mem-budget-mib",
-            "1024",
-            "--net-uplink",
-            &uplink_path,
-            "--net-dir",
-            &net_dir,
-        ],
-    );
+    let net = mayfly_tests::netns::TestNet::new(&dir);
+    let mut args = vec!["--mem-budget-mib", "1024"];
+    args.extend(net.args());
+    let m = Manager::start_with(&dir, &args);
     m.create_probe(EXAMPLE_SANDBOX, None);
     let addr = tcp_forwarder(&m.sock);
 

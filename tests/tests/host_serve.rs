@@ -1154,9 +1154,9 @@ fn a_vm_its_user_paused_stays_paused_across_sleep_and_fork() {
 #[test]
 fn a_jailed_sandbox_has_a_network_whose_policy_the_admin_changes_and_sleep_keeps() {
     let dir = TestDir::new("serve-net");
-    let (uplink_ns, uplink_path) = mayfly_tests::netns::uplink();
-    let net_dir = dir.arg("net");
-    let m = Manager::start_with(&dir, &["--net-uplink", &uplink_path, "--net-dir", &net_dir]);
+    let net = mayfly_tests::netns::TestNet::new(&dir);
+    let uplink_ns = &net.ns;
+    let m = Manager::start_with(&dir, &net.args());
     let token = m.create(json!({
         "name": "netted",
         "kernel": probe::ELF,
@@ -1176,7 +1176,7 @@ fn a_jailed_sandbox_has_a_network_whose_policy_the_admin_changes_and_sleep_keeps
     assert_eq!(status, 200, "{net}");
     assert_eq!(net["policy"], "allow=192.0.2.0/24:443", "{net}");
     let link = net["host_link"]["name"].as_str().unwrap().to_string();
-    assert!(mayfly_tests::netns::links_in(&uplink_ns).contains(&link));
+    assert!(mayfly_tests::netns::links_in(uplink_ns).contains(&link));
     let (status, vm) = call(&m.sock, Some(&token), "GET", "/sandboxes/netted/vm", None);
     assert_eq!(status, 200, "{vm}");
     assert_ne!(vm["jail"]["uid"], 0, "{vm}");
@@ -1213,7 +1213,7 @@ fn a_jailed_sandbox_has_a_network_whose_policy_the_admin_changes_and_sleep_keeps
         (200, Some("suspended")),
         "{body}"
     );
-    gone(&uplink_ns, &link);
+    gone(uplink_ns, &link);
     let (status, woke) = call(
         &m.sock,
         Some(&token),
@@ -1225,12 +1225,12 @@ fn a_jailed_sandbox_has_a_network_whose_policy_the_admin_changes_and_sleep_keeps
     assert_eq!(woke["policy"], "allow=198.51.100.0/24", "{woke}");
     assert_eq!(woke["guest"]["mac"], net["guest"]["mac"], "{woke}");
     let link = woke["host_link"]["name"].as_str().unwrap().to_string();
-    assert!(mayfly_tests::netns::links_in(&uplink_ns).contains(&link));
+    assert!(mayfly_tests::netns::links_in(uplink_ns).contains(&link));
 
     // Deleted, it leaves no network behind.
     let (status, body) = m.admin("DELETE", "/sandboxes/netted", None);
     assert_eq!(status, 200, "{body}");
-    gone(&uplink_ns, &link);
+    gone(uplink_ns, &link);
 }
 
 /// Wait, bounded, for the link `link` to leave the namespace `ns`: a VMM's network goes with
@@ -1249,9 +1249,9 @@ fn gone(ns: &std::fs::File, link: &str) {
 #[test]
 fn a_templates_network_is_for_its_setup_and_each_sandbox_gets_the_policy_its_create_names() {
     let dir = TestDir::new("serve-template-net");
-    let (uplink_ns, uplink_path) = mayfly_tests::netns::uplink();
-    let net_dir = dir.arg("net");
-    let m = Manager::start_with(&dir, &["--net-uplink", &uplink_path, "--net-dir", &net_dir]);
+    let net = mayfly_tests::netns::TestNet::new(&dir);
+    let uplink_ns = &net.ns;
+    let m = Manager::start_with(&dir, &net.args());
     let template = json!({
         "kernel": probe::ELF,
         "mem_mib": 64,
@@ -1275,7 +1275,7 @@ fn a_templates_network_is_for_its_setup_and_each_sandbox_gets_the_policy_its_cre
     let plain = m.create(json!({"name": "plain", "template": template}));
     let net = policy_of("plain", &plain);
     assert_eq!(net["policy"], "none", "{net}");
-    assert!(mayfly_tests::netns::links_in(&uplink_ns)
+    assert!(mayfly_tests::netns::links_in(uplink_ns)
         .contains(&net["host_link"]["name"].as_str().unwrap().to_string()));
     // With its own, it has that one; the template was built once for both.
     let own = m.create(json!({"name": "own", "template": template, "net": "allow=198.51.100.7"}));
@@ -1326,9 +1326,8 @@ fn a_templates_network_is_for_its_setup_and_each_sandbox_gets_the_policy_its_cre
 fn an_exposed_port_is_the_managers_kept_across_sleep_and_restarts_and_a_connection_wakes_it() {
     use std::io::Read;
     let dir = TestDir::new("serve-ports");
-    let (_uplink_ns, uplink_path) = mayfly_tests::netns::uplink();
-    let net_dir = dir.arg("net");
-    let args = ["--net-uplink", &uplink_path, "--net-dir", &net_dir];
+    let net = mayfly_tests::netns::TestNet::new(&dir);
+    let args = net.args();
     let mut m = Manager::start_with(&dir, &args);
     let token = m.create(json!({
         "name": "porty",

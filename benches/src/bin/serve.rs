@@ -184,9 +184,8 @@ fn main() {
     let args = Args::parse();
     let dir = TestDir::new("serve-bench");
     // Networks (the composed phase) go out to a namespace of the benchmark's own.
-    let (_uplink, uplink_path) = mayfly_tests::netns::uplink();
-    let net_dir = dir.arg("net");
-    let m = Manager::start_with(&dir, &["--net-uplink", &uplink_path, "--net-dir", &net_dir]);
+    let net = mayfly_tests::netns::TestNet::new(&dir);
+    let m = Manager::start_with(&dir, &net.args());
     let spec = |name: &str| {
         json!({
             "name": name,
