@@ -72,7 +72,7 @@ fi
 # changed overlay file or a new agent builds a new one.
 # Bumped when the way the image is made changes (mmdebstrap or mke2fs options, files added).
 DEBIAN_RECIPE=2
-DEBIAN_PACKAGES=(busybox-static bash coreutils procps iproute2 e2fsprogs python3-minimal python3 ca-certificates)
+DEBIAN_PACKAGES=(busybox-static bash coreutils procps iproute2 e2fsprogs python3-minimal python3 python3-pip ca-certificates)
 DEBIAN_OVERLAY=(etc/inittab etc/init.d/rcS etc/profile usr/bin/mayfly-identity)
 build_debian() {
     command -v mmdebstrap >/dev/null || die "mmdebstrap is missing: apt-get install mmdebstrap e2fsprogs (scripts/setup.sh does)"

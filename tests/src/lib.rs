@@ -15,6 +15,7 @@
 
 pub mod agent;
 pub mod guest;
+pub mod index;
 pub mod netns;
 pub mod probe;
 pub mod rig;

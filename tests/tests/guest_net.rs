@@ -14,7 +14,6 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -23,50 +22,12 @@ use std::time::{Duration, Instant};
 use mayfly_agent_protocol::ExecRequest;
 use mayfly_tests::agent::{exec_request, sh, wait_agent};
 use mayfly_tests::guest::{mayfly_ok, request, Guest, TestDir, BOOT_TIMEOUT};
+use mayfly_tests::netns::{sh_in, Internet};
 
 /// The "internet", a namespace behind the uplink.
 const SERVER: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const OTHER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const PORT: u16 = 8080;
-/// The link between the uplink and the internet (a /30).
-const LINK_UPLINK: Ipv4Addr = Ipv4Addr::new(100, 100, 0, 1);
-const LINK_INTERNET: Ipv4Addr = Ipv4Addr::new(100, 100, 0, 2);
-/// The VMs' outside addresses (mayfly's default slot pool), routed back to the uplink.
-const POOL: &str = "10.200.0.0/16";
-
-fn new_netns() -> File {
-    std::thread::spawn(|| {
-        // SAFETY: unshare affects only this short-lived thread.
-        assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
-        File::open("/proc/thread-self/ns/net").unwrap()
-    })
-    .join()
-    .unwrap()
-}
-
-/// Run `tool args...` inside the namespace `ns`; its output, or the test fails.
-fn sh_in(ns: &File, tool: &str, args: &[&str]) -> String {
-    let fd = ns.as_raw_fd();
-    let mut cmd = Command::new(tool);
-    cmd.args(args).stdin(Stdio::null());
-    // SAFETY: setns only, between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let out = cmd.output().unwrap_or_else(|e| panic!("{tool}: {e}"));
-    assert!(
-        out.status.success(),
-        "{tool} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// Network namespaces of this test's own: the uplink VMs' traffic goes out to (the host),
 /// and the internet behind it, holding the servers VMs may or may not reach.
 struct Uplink {
@@ -76,10 +37,6 @@ struct Uplink {
 
 impl Uplink {
     fn new() -> Self {
-        assert!(
-            Path::new("/dev/net/tun").exists(),
-            "/dev/net/tun is missing: the kernel needs CONFIG_TUN"
-        );
         for tool in ["ip", "nft"] {
             let found = Command::new(tool)
                 .arg("-V")
@@ -92,59 +49,11 @@ impl Uplink {
                 "{tool} is not installed (scripts/setup.sh installs it)"
             );
         }
-        let uplink = Self {
-            ns: new_netns(),
-            internet: new_netns(),
-        };
-        uplink.sh("ip", &["link", "set", "lo", "up"]);
-        sh_in(&uplink.internet, "ip", &["link", "set", "lo", "up"]);
-        for addr in [SERVER, OTHER] {
-            sh_in(
-                &uplink.internet,
-                "ip",
-                &["addr", "add", &format!("{addr}/32"), "dev", "lo"],
-            );
+        let Internet { uplink, internet } = Internet::new(&[SERVER, OTHER]);
+        Self {
+            ns: uplink,
+            internet,
         }
-        let internet_path = format!(
-            "/proc/{}/fd/{}",
-            std::process::id(),
-            uplink.internet.as_raw_fd()
-        );
-        uplink.sh(
-            "ip",
-            &[
-                "link",
-                "add",
-                "up0",
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "inet0",
-                "netns",
-                &internet_path,
-            ],
-        );
-        for args in [
-            format!("addr add {LINK_UPLINK}/30 dev up0"),
-            "link set up0 up".to_string(),
-            format!("route add default via {LINK_INTERNET}"),
-        ] {
-            uplink.sh("ip", &args.split(' ').collect::<Vec<_>>());
-        }
-        for args in [
-            format!("addr add {LINK_INTERNET}/30 dev inet0"),
-            "link set inet0 up".to_string(),
-            format!("route add {POOL} via {LINK_UPLINK}"),
-        ] {
-            sh_in(&uplink.internet, "ip", &args.split(' ').collect::<Vec<_>>());
-        }
-        mayfly_network::run_in(&uplink.ns, || {
-            std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
-        })
-        .unwrap()
-        .unwrap();
-        uplink
     }
 
     /// The path mayfly is given as `--net-uplink` (valid while this test runs).

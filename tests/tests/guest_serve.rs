@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use mayfly_tests::agent::wait_agent;
 use mayfly_tests::guest::{TestDir, BOOT_TIMEOUT};
+use mayfly_tests::index::PackageIndex;
 use mayfly_tests::serve::{alive, call, Manager};
 use serde_json::{json, Value};
 
@@ -395,4 +396,210 @@ fn a_jailed_networked_sandbox_forks_into_three_each_with_its_own_network_uid_and
             200
         );
     }
+}
+
+/// The project the agent works on: a median with a bug, and a test that writes its verdict to
+/// result.json and exits 1 on a failure.
+const PROJECT: &str = r#"mkdir -p /root/app && cd /root/app && cat > app.py <<'PY'
+import stats_kit
+
+def median(xs):
+    return xs[len(xs) // 2]
+
+def summary(xs):
+    return {"mean": stats_kit.mean(xs), "median": median(xs)}
+PY
+cat > test_app.py <<'PY'
+import json, sys
+from app import summary
+cases = [([3, 1, 2], {"mean": 2.0, "median": 2}), ([4, 1, 3, 2], {"mean": 2.5, "median": 2.5})]
+failed = [xs for xs, want in cases if summary(xs) != want]
+json.dump({"passed": len(cases) - len(failed), "failed": len(failed)}, open("result.json", "w"))
+print("FAIL" if failed else "PASS", failed)
+sys.exit(1 if failed else 0)
+PY"#;
+
+/// Three fixes for the median: the first still does not sort, the second forgets even
+/// lengths, the third is right.
+const FIXES: [&str; 3] = [
+    "return xs[(len(xs) - 1) // 2]",
+    "return sorted(xs)[len(xs) // 2]",
+    "s = sorted(xs); n = len(s); return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2",
+];
+
+/// The seed's trace, everything through the manager: a jailed sandbox from the Debian template
+/// with an egress allowlist naming a package index by name (the name only the test's DNS
+/// knows, which guests are told to use and the policy asks); `pip install` from it; a test
+/// that fails, read as exit code, output and result file; a fork into 3, a different fix in
+/// each; the one that passes is kept, the rest deleted.
+#[test]
+fn the_seeds_trace_pip_install_behind_an_allowlist_then_a_fork_into_three_fixes() {
+    let dir = TestDir::new("serve-trace");
+    let net = mayfly_tests::netns::TestNet::with_internet(
+        &dir,
+        &[PackageIndex::HTTP, PackageIndex::DNS],
+        Some(PackageIndex::DNS),
+    );
+    let index = PackageIndex::start(&dir, &net);
+    let m = Manager::start_with(&dir, &net.args());
+
+    // A name nobody resolves is refused with the resolver's reason, and leaves no sandbox.
+    let (status, body) = m.admin(
+        "POST",
+        "/sandboxes",
+        Some(json!({ "name": "nowhere", "net": "allow=nothing.test:80" })),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body.to_string().contains("no such name"),
+        "the reason: {body}"
+    );
+    assert_eq!(m.admin("GET", "/sandboxes/nowhere", None).0, 404);
+
+    // 1. The sandbox: the Debian template, pip pointed at the index once, in its setup (which
+    //    reaches the index through the template's allowlist).
+    let token = m.create(json!({
+        "name": "agent",
+        "net": format!("allow={}:80", PackageIndex::NAME),
+        "template": {
+            "rootfs": "debian",
+            "net": format!("allow={}:80", PackageIndex::NAME),
+            "setup": [
+                concat!(
+                    "printf '[global]\\nindex-url = http://pypi.test/simple/\\ntrusted-host = pypi.test\\n",
+                    "break-system-packages = true\\nroot-user-action = ignore\\n' > /etc/pip.conf"
+                ),
+                // The setup reaches the index through the template's own allowlist.
+                "python3 -c \"import urllib.request as u; u.urlopen('http://pypi.test/simple/', timeout=30).read()\"",
+            ],
+        },
+    }));
+    let sock = std::path::PathBuf::from(m.describe("agent")["socket"].as_str().unwrap());
+    wait_agent(&sock, BOOT_TIMEOUT);
+    assert_eq!(m.describe("agent")["jailed"], true);
+    let (status, vm_net) = call(
+        &m.sock,
+        Some(&token),
+        "GET",
+        "/sandboxes/agent/vm/net",
+        None,
+    );
+    assert_eq!(status, 200, "{vm_net}");
+    assert_eq!(vm_net["policy"], format!("allow={}:80", PackageIndex::NAME));
+    assert_eq!(
+        vm_net["resolved"],
+        json!([format!("{}/32:80", PackageIndex::HTTP)]),
+        "the name is pinned to what the test's DNS says: {vm_net}"
+    );
+    let outside = vm_net["outside_ip"].as_str().unwrap().to_string();
+
+    // 2. pip install, by name, through the allowlist.
+    let (code, out) = shell(&m, &token, "agent", "pip install mayfly-demo-stats 2>&1");
+    assert_eq!(code, 0, "pip install: {out}");
+    assert!(
+        out.contains("Successfully installed mayfly-demo-stats-1.0"),
+        "{out}"
+    );
+    let requests = index.requests();
+    assert!(
+        requests
+            .iter()
+            .any(|(who, path)| *who == outside && path.starts_with("/packages/")),
+        "the wheel was fetched from the sandbox's own address {outside}: {requests:?}"
+    );
+    // Nothing else is reachable: the resolver's own address on another port.
+    let (code, out) = shell(
+        &m,
+        &token,
+        "agent",
+        &format!(
+            "python3 -c 'import socket; socket.create_connection((\"{}\", 80), timeout=5)' 2>&1",
+            PackageIndex::DNS
+        ),
+    );
+    assert_ne!(
+        code, 0,
+        "a destination off the allowlist was reached: {out}"
+    );
+
+    // 3. The project, and its test: it fails; the verdict is the exit code, the output and
+    //    the result file.
+    let (code, out) = shell(&m, &token, "agent", PROJECT);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = shell(&m, &token, "agent", "cd /root/app && python3 test_app.py");
+    assert_eq!((code, out.starts_with("FAIL")), (1, true), "{out}");
+    let (_, result) = shell(&m, &token, "agent", "cat /root/app/result.json");
+    let result: Value = serde_json::from_str(&result).unwrap();
+    assert_eq!(result, json!({"passed": 0, "failed": 2}));
+
+    // 4. Fork into 3, a fix in each.
+    let (status, forked) = m.admin("POST", "/sandboxes/agent/fork", Some(json!({"count": 3})));
+    assert_eq!(status, 201, "{forked}");
+    let clones: Vec<(String, String)> = forked["clones"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["name"].as_str().unwrap().to_string(),
+                c["token"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(clones.len(), 3);
+    let mut verdicts = Vec::new();
+    for ((name, token), fix) in clones.iter().zip(FIXES) {
+        let apply = format!(
+            "cd /root/app && python3 - <<'PY'\n\
+             src = open('app.py').read()\n\
+             src = src.replace('return xs[len(xs) // 2]', {fix:?})\n\
+             open('app.py', 'w').write(src)\nPY"
+        );
+        let (code, out) = shell(&m, token, name, &apply);
+        assert_eq!(code, 0, "{name}: {out}");
+        let (code, out) = shell(&m, token, name, "cd /root/app && python3 test_app.py");
+        let (_, result) = shell(&m, token, name, "cat /root/app/result.json");
+        verdicts.push((name.clone(), code, out, result));
+    }
+    let passing: Vec<&String> = verdicts
+        .iter()
+        .filter(|(_, code, _, _)| *code == 0)
+        .map(|(name, ..)| name)
+        .collect();
+    assert_eq!(passing, vec![&clones[2].0], "verdicts: {verdicts:?}");
+    let (winner, _, out, result) = &verdicts[2];
+    assert!(out.starts_with("PASS"), "{out}");
+    assert_eq!(
+        serde_json::from_str::<Value>(result).unwrap(),
+        json!({"passed": 2, "failed": 0})
+    );
+    // The source is as it was: its fix was never applied.
+    let (code, _) = shell(&m, &token, "agent", "cd /root/app && python3 test_app.py");
+    assert_eq!(code, 1);
+
+    // 5. Keep the one that passes; delete the rest.
+    for name in clones.iter().map(|(n, _)| n.as_str()).chain(["agent"]) {
+        if name != winner {
+            assert_eq!(
+                m.admin("DELETE", &format!("/sandboxes/{name}"), None).0,
+                200
+            );
+        }
+    }
+    let (status, list) = m.admin("GET", "/sandboxes", None);
+    assert_eq!(status, 200, "{list}");
+    let names: Vec<&str> = list["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["name"].as_str())
+        .collect();
+    assert_eq!(names, vec![winner.as_str()], "{list}");
+    let (code, out) = shell(
+        &m,
+        &clones[2].1,
+        winner,
+        "cd /root/app && python3 -c 'import stats_kit, app' && python3 test_app.py",
+    );
+    assert_eq!(code, 0, "{out}");
 }

@@ -1392,7 +1392,7 @@ fn an_exposed_port_is_the_managers_kept_across_sleep_and_restarts_and_a_connecti
     assert_eq!(status, 200, "{listed}");
     assert_eq!(
         listed["ports"],
-        json!([{"guest_port": 8080, "host": host, "listening": true}])
+        json!([{"guest_port": 8080, "host": host, "listening": true, "connections": 0}])
     );
     let unix_path = dir.join("porty-9000.sock");
     let unix_host = format!("unix:{}", unix_path.display());
@@ -1417,6 +1417,29 @@ fn an_exposed_port_is_the_managers_kept_across_sleep_and_restarts_and_a_connecti
     assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
     m.wait_state("porty", "running", Duration::from_secs(30));
     assert_eq!(m.events("woke", "porty"), woke_before + 1);
+
+    // The most connections a port holds at once (64) never crowd out the sandbox's own API
+    // (its cap of 64 requests at once counts requests only). The probe serves no TCP: each
+    // connection stays open for the seconds the VMM's side tries the guest.
+    let held: Vec<std::net::TcpStream> = (0..64)
+        .map(|_| std::net::TcpStream::connect(addr).expect("the port takes 64 connections"))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, listed) = m.admin("GET", "/sandboxes/porty/ports", None);
+        if listed["ports"][0]["connections"] == 64 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "64 connections never open: {listed}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let (status, body) = call(&m.sock, Some(&token), "GET", "/sandboxes/porty/vm", None);
+    assert_eq!(status, 200, "the API while its port is full: {body}");
+    drop(held);
 
     // A manager killed and started again listens there again.
     m.process.signal(libc::SIGKILL);
@@ -1492,4 +1515,80 @@ fn an_exposed_port_is_the_managers_kept_across_sleep_and_restarts_and_a_connecti
 
 fn post(m: &Manager, name: &str, body: Value) -> (u16, Value) {
     m.admin("POST", &format!("/sandboxes/{name}/ports"), Some(body))
+}
+
+/// A name in a sandbox's policy means what the resolver its guest is told to use
+/// (`--net-dns`) says, asked from the uplink: a name only the test's DNS knows is pinned to its
+/// address, and one it does not know is refused (400, with the resolver's reason) before any
+/// VMM starts, at a create, for a template, and at a policy change.
+#[test]
+fn names_in_policies_are_asked_of_the_guests_resolver_and_unknown_ones_are_refused() {
+    use mayfly_tests::index::PackageIndex;
+    let dir = TestDir::new("serve-names");
+    let net = mayfly_tests::netns::TestNet::with_internet(
+        &dir,
+        &[PackageIndex::HTTP, PackageIndex::DNS],
+        Some(PackageIndex::DNS),
+    );
+    let _index = PackageIndex::start(&dir, &net);
+    let m = Manager::start_with(&dir, &net.args());
+    let probe = |name: &str, policy: &str| {
+        json!({
+            "name": name,
+            "kernel": probe::ELF,
+            "mem_mib": 64,
+            "cmdline": "touch=1",
+            "probe": true,
+            "net": policy,
+        })
+    };
+    for (spec, field) in [
+        (
+            probe("nowhere", "allow=192.0.2.1:80,nothing.test:80"),
+            "\"net\"",
+        ),
+        (
+            json!({"name": "nowhere", "template": {"net": "allow=nothing.test:80", "setup": ["true"]}}),
+            "\"template.net\"",
+        ),
+    ] {
+        let (status, body) = m.admin("POST", "/sandboxes", Some(spec));
+        assert_eq!(status, 400, "{body}");
+        let text = body["error"].as_str().unwrap_or_default();
+        assert!(text.starts_with(field), "{text}");
+        assert!(
+            text.contains("\"nothing.test\"") && text.contains("no such name"),
+            "{text}"
+        );
+        assert_eq!(m.admin("GET", "/sandboxes/nowhere", None).0, 404);
+    }
+    assert!(!m.state.join("sandboxes").join("nowhere").exists());
+
+    let token = m.create(probe("named", "allow=pypi.test:80"));
+    assert_eq!(m.describe("named")["jailed"], true);
+    let policy = || {
+        let (status, net) = call(
+            &m.sock,
+            Some(&token),
+            "GET",
+            "/sandboxes/named/vm/net",
+            None,
+        );
+        assert_eq!(status, 200, "{net}");
+        (net["policy"].clone(), net["resolved"].clone())
+    };
+    let pinned = (
+        json!("allow=pypi.test:80"),
+        json!([format!("{}/32:80", PackageIndex::HTTP)]),
+    );
+    assert_eq!(policy(), pinned);
+    let (status, body) = m.admin(
+        "PUT",
+        "/sandboxes/named/vm/net/policy",
+        Some(json!({"policy": "allow=nothing.test"})),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.to_string().contains("no such name"), "{body}");
+    assert_eq!(policy(), pinned, "the old policy stays");
+    assert_eq!(m.admin("DELETE", "/sandboxes/named", None).0, 200);
 }

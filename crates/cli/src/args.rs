@@ -428,6 +428,17 @@ impl NetPlaceArgs {
         }
     }
 
+    /// Where names in policies resolve: the manager's check before it starts a VMM.
+    pub(crate) fn names(&self) -> mayfly_network::Names {
+        mayfly_network::Names {
+            dns: self.net_dns,
+            uplink: match &self.net_uplink {
+                Some(path) => mayfly_network::Uplink::Path(path.clone()),
+                None => mayfly_network::Uplink::Current,
+            },
+        }
+    }
+
     /// The same options, as the arguments of a VMM the manager starts.
     pub(crate) fn vmm_args(&self) -> Vec<String> {
         // Absolute: the VMMs do not start where the manager did.

@@ -64,6 +64,7 @@ pub(crate) fn serve_sandboxes(args: ServeArgs) -> ExitCode {
             vmm_allowance_mib: args.vmm_allowance_mib,
             console_limit: args.console_limit,
             net_args: args.net.vmm_args(),
+            net_names: args.net.names(),
         },
     };
     match mayfly_serve::serve(&config, stop_rx) {

@@ -45,6 +45,7 @@
 )]
 
 mod addr;
+mod dns;
 mod error;
 mod expose;
 pub mod keeper;

@@ -19,9 +19,10 @@ use crate::nft;
 use crate::policy::{self, Policy};
 
 /// Which namespace the VMs' veths connect to.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Uplink {
     /// The caller's namespace (the host).
+    #[default]
     Current,
     /// The namespace at this path (`/run/netns/NAME`, `/proc/PID/ns/net`, `/proc/PID/fd/N`).
     Path(PathBuf),
@@ -240,7 +241,7 @@ impl Network {
             return Err(NetworkError::NoNetwork);
         }
         // Resolve first: a policy that cannot be applied costs no slot.
-        let resolved = resolve(policy, self.config.dns, &self.never)?;
+        let resolved = resolve(policy, self.config.dns, &self.uplink, &self.never)?;
         let mac = mac.unwrap_or_else(fresh_mac);
         if let Some((slot, lock, ns)) = self.claim_pooled()? {
             return self.finish(slot, lock, ns, policy, &resolved, mac);
@@ -414,6 +415,7 @@ impl Network {
             dns: self.config.dns,
             never: self.never.clone(),
             policy: policy.clone(),
+            pinned: resolved.clone(),
             exposed: Vec::new(),
             ns,
             destroyed: false,
@@ -538,9 +540,61 @@ impl Network {
     }
 }
 
-/// `policy` resolved, an allowlist entry refused if a VM never reaches any of it.
-fn resolve(policy: &Policy, dns: Option<Ipv4Addr>, never: &Never) -> Result<policy::Resolved> {
-    Ok(policy.resolve_checked(dns, |nets| never.refuses(nets))?)
+/// `policy` resolved, an allowlist entry refused if a VM never reaches any of it. Names go
+/// to `dns` (the resolver guests are told to use), asked from the `uplink` namespace, or to
+/// this host's resolver when there is none (see `dns.rs`).
+fn resolve(
+    policy: &Policy,
+    dns: Option<Ipv4Addr>,
+    uplink: &File,
+    never: &Never,
+) -> Result<policy::Resolved> {
+    Ok(policy.resolve_checked(dns, &lookup(dns, uplink), |nets| never.refuses(nets))?)
+}
+
+/// How a name in a policy is resolved: by `dns` from `uplink`, else by this host's resolver.
+fn lookup(
+    dns: Option<Ipv4Addr>,
+    uplink: &File,
+) -> impl Fn(&str) -> std::result::Result<Vec<Ipv4Addr>, String> + '_ {
+    move |name: &str| match dns {
+        Some(server) => crate::dns::lookup(SocketAddrV4::new(server, 53), uplink, name),
+        None => policy::host_lookup(name),
+    }
+}
+
+/// Where names in policies are resolved on this host (`--net-dns`, `--net-uplink`), for a
+/// caller that refuses a policy before it starts a VMM for it (the sandbox manager): the same
+/// resolver, asked from the same namespace, as when a VMM applies the policy.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Names {
+    pub dns: Option<Ipv4Addr>,
+    pub uplink: Uplink,
+}
+
+impl Names {
+    /// Every name in `policy` resolves to an IPv4 address, or the first that does not, with
+    /// the resolver's reason ([`PolicyError::Unresolvable`]). A policy without names costs
+    /// nothing. Whether a VM may reach those addresses is the VMM's check, when it applies
+    /// the policy.
+    pub fn check(&self, policy: &Policy) -> Result<()> {
+        let Policy::Allow(rules) = policy else {
+            return Ok(());
+        };
+        if !rules
+            .iter()
+            .any(|r| matches!(r.dest, policy::Dest::Host(_)))
+        {
+            return Ok(());
+        }
+        let uplink = match &self.uplink {
+            Uplink::Current => netns::current(),
+            Uplink::Path(path) => File::open(path),
+        }
+        .map_err(sys("cannot open the uplink namespace"))?;
+        policy.resolve_checked(self.dns, &lookup(self.dns, &uplink), |_| None)?;
+        Ok(())
+    }
 }
 
 /// A fresh locally administered unicast MAC (02:xx:...; random).
@@ -578,6 +632,8 @@ pub struct VmNetwork {
     dns: Option<Ipv4Addr>,
     never: Arc<Never>,
     policy: Policy,
+    /// What the policy allows, its names as they were resolved when it was applied.
+    pinned: policy::Resolved,
     exposed: Vec<expose::Forwarder>,
     destroyed: bool,
 }
@@ -633,7 +689,7 @@ impl VmNetwork {
     /// allowlist entry naming only never-reached networks is refused
     /// ([`crate::PolicyError::NeverReached`]) and the old policy stays.
     pub fn set_policy(&mut self, policy: Policy) -> Result<()> {
-        let resolved = resolve(&policy, self.dns, &self.never)?;
+        let resolved = resolve(&policy, self.dns, &self.uplink, &self.never)?;
         let [nets, svcs, dns] = nft::policy_sets(&resolved);
         self.nft
             .lock()
@@ -641,6 +697,7 @@ impl VmNetwork {
             .replace(&[dns, nets, svcs])
             .map_err(NetworkError::Nft)?;
         self.policy = policy;
+        self.pinned = resolved;
         Ok(())
     }
 
@@ -653,6 +710,7 @@ impl VmNetwork {
         let mac: Vec<String> = guest.mac.iter().map(|b| format!("{b:02x}")).collect();
         serde_json::json!({
             "policy": self.policy().to_string(),
+            "resolved": self.pinned.entries(),
             "namespace": self.name(),
             "guest": {
                 "ip": guest.ip.to_string(),

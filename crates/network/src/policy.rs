@@ -3,7 +3,8 @@
 //! A rule is `CIDR` (anything to those addresses: TCP, UDP, ICMP), `CIDR:PORT` (TCP and UDP to
 //! that port), or `HOST:PORT` / `HOST` with a domain name, which is resolved when the policy is
 //! applied and pinned to the IPv4 addresses it had then (see [`Policy::resolve`]): the guest
-//! reaches those addresses, not whatever the name points at later. A bare address is a /32.
+//! reaches those addresses, not whatever the name points at later. Names go to the resolver
+//! guests are told to use (`--net-dns`) when there is one, else to this host's (`dns.rs`). A bare address is a /32.
 //! IPv6 is refused: the guest has an IPv4 address only.
 
 use std::fmt;
@@ -60,7 +61,7 @@ pub enum PolicyError {
     PortRange { rule: String, port: String },
     #[error("{0:?}: IPv6 destinations are not supported (the guest has an IPv4 address only)")]
     Ipv6(String),
-    #[error("{name:?} does not resolve to an IPv4 address ({why}): use an address, or a name this host can resolve")]
+    #[error("{name:?} does not resolve to an IPv4 address ({why}): use an address, or a name the resolver knows (--net-dns when given, else this host's)")]
     Unresolvable { name: String, why: String },
     /// An allowlist entry that names only networks a VM never reaches on this host.
     #[error("allow={rule}: a VM never reaches any of it: {why}")]
@@ -231,14 +232,16 @@ impl Policy {
     /// `dns` for an allowlist or `open`. Nested entries are folded into the ones containing
     /// them.
     pub fn resolve(&self, dns: Option<Ipv4Addr>) -> Result<Resolved, PolicyError> {
-        self.resolve_checked(dns, |_| None)
+        self.resolve_checked(dns, &host_lookup, |_| None)
     }
 
-    /// [`Policy::resolve`], refusing an allowlist entry for which `refuse` (given all the
-    /// networks the entry names, a name's every address) says why it cannot be reached.
+    /// [`Policy::resolve`] with names resolved by `lookup` (its error says why a name does
+    /// not resolve), refusing an allowlist entry for which `refuse` (given all the networks
+    /// the entry names, a name's every address) says why it cannot be reached.
     pub(crate) fn resolve_checked(
         &self,
         dns: Option<Ipv4Addr>,
+        lookup: &dyn Fn(&str) -> Result<Vec<Ipv4Addr>, String>,
         refuse: impl Fn(&[Ipv4Net]) -> Option<String>,
     ) -> Result<Resolved, PolicyError> {
         let mut out = Resolved::default();
@@ -252,7 +255,7 @@ impl Policy {
                 for rule in rules {
                     let nets = match &rule.dest {
                         Dest::Net(net) => vec![*net],
-                        Dest::Host(name) => resolve_name(name)?,
+                        Dest::Host(name) => resolve_name(name, lookup)?,
                     };
                     if let Some(why) = refuse(&nets) {
                         return Err(PolicyError::NeverReached {
@@ -278,31 +281,58 @@ impl Policy {
     }
 }
 
-fn resolve_name(name: &str) -> Result<Vec<Ipv4Net>, PolicyError> {
-    let addrs = (name, 0u16)
-        .to_socket_addrs()
-        .map_err(|e| PolicyError::Unresolvable {
+fn resolve_name(
+    name: &str,
+    lookup: &dyn Fn(&str) -> Result<Vec<Ipv4Addr>, String>,
+) -> Result<Vec<Ipv4Net>, PolicyError> {
+    let mut nets: Vec<Ipv4Net> = lookup(name)
+        .map_err(|why| PolicyError::Unresolvable {
             name: name.to_string(),
-            why: e.to_string(),
-        })?;
-    let mut nets: Vec<Ipv4Net> = addrs
-        .filter_map(|a| match a.ip() {
-            IpAddr::V4(v4) => Some(Ipv4Net::from(v4)),
-            IpAddr::V6(_) => None,
-        })
+            why,
+        })?
+        .into_iter()
+        .map(Ipv4Net::from)
         .collect();
     nets.sort();
     nets.dedup();
     if nets.is_empty() {
         return Err(PolicyError::Unresolvable {
             name: name.to_string(),
-            why: "it has IPv6 addresses only".to_string(),
+            why: "it has no IPv4 address".to_string(),
         });
     }
     Ok(nets)
 }
 
+/// A name's IPv4 addresses by this host's resolver (glibc: `/etc/hosts`, then DNS).
+pub(crate) fn host_lookup(name: &str) -> Result<Vec<Ipv4Addr>, String> {
+    let addrs = (name, 0u16).to_socket_addrs().map_err(|e| e.to_string())?;
+    let v4: Vec<Ipv4Addr> = addrs
+        .filter_map(|a| match a.ip() {
+            IpAddr::V4(v4) => Some(v4),
+            IpAddr::V6(_) => None,
+        })
+        .collect();
+    if v4.is_empty() {
+        return Err("it has IPv6 addresses only".to_string());
+    }
+    Ok(v4)
+}
+
 impl Resolved {
+    /// What is allowed, as allowlist entries with every name replaced by the addresses it was
+    /// pinned to (`CIDR` for any protocol, `CIDR:PORT` for TCP and UDP to that port): what
+    /// `GET /vm/net` shows beside the policy as given.
+    pub fn entries(&self) -> Vec<String> {
+        let mut out: Vec<String> = self.nets.iter().map(Ipv4Net::to_string).collect();
+        let mut ports: Vec<(Ipv4Net, u16)> =
+            self.services.iter().map(|&(n, _, p)| (n, p)).collect();
+        ports.sort();
+        ports.dedup();
+        out.extend(ports.iter().map(|(net, port)| format!("{net}:{port}")));
+        out
+    }
+
     /// Drop what another entry already covers, so no two set elements overlap (nftables
     /// refuses overlapping intervals).
     fn normalize(&mut self) {
@@ -449,6 +479,11 @@ mod tests {
             ],
         );
         assert_eq!(r.dns, dns, "DNS has a set of its own");
+        assert_eq!(
+            r.entries(),
+            vec!["10.0.0.0/8", "192.0.2.9/32", "192.0.2.0/24:53"],
+            "one entry per network or port, TCP and UDP together"
+        );
         let open = Policy::Open.resolve(dns).unwrap();
         assert_eq!(open.nets, vec![net("0.0.0.0/0")]);
         assert_eq!(open.dns, dns);
@@ -463,7 +498,7 @@ mod tests {
                 .all(|n| net("10.0.0.0/8").contains(n))
                 .then(|| "10.0.0.0/8 is private".to_string())
         };
-        let err = p.resolve_checked(None, refuse).unwrap_err();
+        let err = p.resolve_checked(None, &host_lookup, refuse).unwrap_err();
         assert_eq!(
             err,
             PolicyError::NeverReached {
@@ -475,7 +510,7 @@ mod tests {
             .to_string()
             .starts_with("allow=10.0.0.5/32:443: a VM never reaches"));
         let p: Policy = "allow=0.0.0.0/0".parse().unwrap();
-        assert!(p.resolve_checked(None, refuse).is_ok());
+        assert!(p.resolve_checked(None, &host_lookup, refuse).is_ok());
     }
 
     #[test]

@@ -184,6 +184,46 @@ impl Rig {
         Server::start(listener)
     }
 
+    /// The resolver guests are told to use ([`DNS`], on the uplink): `pypi.test` is
+    /// [`SERVER`], `loopback.test` is 127.0.0.1, any other name does not exist.
+    fn resolver(&self) -> JoinHandle<()> {
+        use simple_dns::rdata::{RData, A};
+        use simple_dns::{Packet, ResourceRecord, CLASS, RCODE};
+        let sock = run_in(&self.uplink, || UdpSocket::bind(addr(DNS, 53)))
+            .unwrap()
+            .unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 1500];
+            while let Ok((n, from)) = sock.recv_from(&mut buf) {
+                let Ok(query) = Packet::parse(&buf[..n]) else {
+                    continue;
+                };
+                let mut reply = Packet::new_reply(query.id());
+                let question = query.questions[0].clone();
+                let ip = match question.qname.to_string().as_str() {
+                    "pypi.test" => Some(SERVER),
+                    "loopback.test" => Some(Ipv4Addr::LOCALHOST),
+                    _ => None,
+                };
+                match ip {
+                    Some(ip) => reply.answers.push(ResourceRecord::new(
+                        question.qname.clone(),
+                        CLASS::IN,
+                        60,
+                        RData::A(A {
+                            address: u32::from(ip),
+                        }),
+                    )),
+                    None => *reply.rcode_mut() = RCODE::NameError,
+                }
+                reply.questions.push(question);
+                let _ = sock.send_to(&reply.build_bytes_vec().unwrap(), from);
+            }
+        })
+    }
+
     fn udp_echo(&self, at: SocketAddr) -> JoinHandle<()> {
         let ns = match at.ip() {
             std::net::IpAddr::V4(ip) => self.ns_of(ip),
@@ -530,6 +570,7 @@ fn open_never_reaches_the_host_link_local_or_private_networks_the_operator_did_n
 #[test]
 fn an_allowlist_cannot_name_what_a_vm_never_reaches() {
     let rig = Rig::new("never-allow");
+    let _dns = rig.resolver();
     let _servers: Vec<Server> = [SERVER, PRIVATE_REACHED, METADATA, PRIVATE_UNLISTED]
         .into_iter()
         .map(|ip| rig.tcp_server(addr(ip, 8080)))
@@ -539,7 +580,10 @@ fn an_allowlist_cannot_name_what_a_vm_never_reaches() {
         (format!("allow={METADATA}"), "link-local"),
         (format!("allow={HOST_ADDR}:8080"), "this host's own"),
         ("allow=10.200.0.0/16".to_string(), "pool"),
-        ("allow=10.0.0.0/8:443,localhost:80".to_string(), "loopback"),
+        (
+            "allow=10.0.0.0/8:443,loopback.test:80".to_string(),
+            "loopback",
+        ),
     ] {
         let err = match rig.network.create(&policy.parse().unwrap(), None) {
             Ok(vm) => panic!("{policy} was applied (slot {})", vm.slot()),
@@ -658,6 +702,46 @@ fn an_allowlist_lets_out_only_what_it_lists_and_denials_fail_fast_and_are_counte
     assert_udp_refused_fast(&guest, addr(OTHER, 5353));
     let denied = vm.counters().unwrap().denied - before;
     assert!(denied >= 3, "denied attempts are counted: {denied}");
+}
+
+/// A name in an allowlist is what the resolver guests are told to use says it is, asked from
+/// the uplink (where that resolver may be the only one): not this host's resolver.
+#[test]
+fn names_in_an_allowlist_are_asked_of_the_guests_resolver() {
+    let rig = Rig::new("names");
+    let _dns = rig.resolver();
+    let _a = rig.tcp_server(addr(SERVER, 8080));
+    let _c = rig.tcp_server(addr(OTHER, 8080));
+    let mut vm = rig
+        .network
+        .create(&"allow=pypi.test:8080".parse().unwrap(), None)
+        .unwrap();
+    let guest = Guest::attach(&mut vm);
+    assert_eq!(
+        guest.seen_as(addr(SERVER, 8080)),
+        vm.outside_ip().to_string()
+    );
+    assert_refused_fast(&guest, addr(OTHER, 8080));
+    let described = vm.describe();
+    assert_eq!(described["policy"], "allow=pypi.test:8080");
+    assert_eq!(
+        described["resolved"],
+        serde_json::json!([format!("{SERVER}/32:8080")])
+    );
+    // A name the resolver does not know is refused with its reason, and the policy stays.
+    let err = vm
+        .set_policy("allow=nothing.test:8080".parse().unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(err, NetworkError::Policy(PolicyError::Unresolvable { .. })),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("no such name"), "{err}");
+    assert_eq!(vm.policy().to_string(), "allow=pypi.test:8080");
+    assert_eq!(
+        guest.seen_as(addr(SERVER, 8080)),
+        vm.outside_ip().to_string()
+    );
 }
 
 #[test]

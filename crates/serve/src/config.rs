@@ -48,6 +48,9 @@ pub struct Policy {
     /// Where sandboxes' networks are made (`--net-uplink`, `--net-dir`, `--net-dns`,
     /// `--net-reach`, `--net-never`), as arguments given to every VMM it starts.
     pub net_args: Vec<String>,
+    /// Where names in a create's policies are resolved (`--net-dns`, `--net-uplink`): a name
+    /// that does not resolve is refused (400) before any VMM starts for it.
+    pub net_names: mayfly_network::Names,
     /// Abort the manager right after this step (tests only: `mayfly serve --crash-at`,
     /// hidden), to kill it inside one of the windows the journal covers (see `journal.rs`).
     pub crash_at: Option<CrashPoint>,

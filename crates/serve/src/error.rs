@@ -28,6 +28,10 @@ pub enum ServeError {
     Api(#[from] mayfly_api::ApiError),
     #[error(transparent)]
     Claim(#[from] mayfly_sys::claim::ClaimError),
+    /// The host's networking failed the manager's own check (not the request's policy: that
+    /// is a [`ServeError::BadRequest`]).
+    #[error("sandboxes' networks: {0}")]
+    Network(mayfly_network::NetworkError),
 }
 
 impl ServeError {
@@ -40,7 +44,10 @@ impl ServeError {
             ServeError::VmmFailed(_) => 502,
             ServeError::Busy(_) => 503,
             ServeError::OverBudget(_) => 429,
-            ServeError::Io { .. } | ServeError::Api(_) | ServeError::Claim(_) => 500,
+            ServeError::Io { .. }
+            | ServeError::Api(_)
+            | ServeError::Claim(_)
+            | ServeError::Network(_) => 500,
         }
     }
 }

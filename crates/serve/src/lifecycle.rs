@@ -60,11 +60,16 @@ impl Drop for BuildUid<'_> {
 pub struct Activity<'a> {
     sandbox: &'a Sandbox,
     manager: &'a Manager,
+    /// A request (counted in `requests` too), not a port connection.
+    request: bool,
 }
 
 impl Drop for Activity<'_> {
     fn drop(&mut self) {
         self.sandbox.touch(self.manager.uptime_ms());
+        if self.request {
+            self.sandbox.requests.fetch_sub(1, Ordering::SeqCst);
+        }
         self.sandbox.active.fetch_sub(1, Ordering::SeqCst);
     }
 }
@@ -98,6 +103,7 @@ impl Manager {
             )));
         }
         spec.check().map_err(ServeError::BadRequest)?;
+        self.check_names(&spec)?;
         let dir = self.dir.join("sandboxes").join(name);
         // The path its VMM binds (see files::socket), and the vsock socket beside it, the
         // longest path the VMM binds: `<api-sock>.vsock_<port>`.
@@ -323,6 +329,25 @@ impl Manager {
         let uid = self.free_uid(&all)?;
         lock(&self.build_uids).insert(uid);
         Ok(BuildUid { manager: self, uid })
+    }
+
+    /// Every name in the create's policies (its own `"net"`, its template's) resolves, as its
+    /// VMM will resolve it (`--net-dns` from `--net-uplink`): 400 with the resolver's reason
+    /// otherwise, before a VMM, a template build or a uid is spent on it.
+    fn check_names(&self, spec: &Spec) -> Result<(), ServeError> {
+        let template = spec.template.as_ref().and_then(|t| t.net.as_ref());
+        for (field, net) in [("net", spec.net.as_ref()), ("template.net", template)] {
+            let Some(Ok(policy)) = net.map(|n| n.parse::<mayfly_network::Policy>()) else {
+                continue;
+            };
+            self.net_names.check(&policy).map_err(|e| match e {
+                mayfly_network::NetworkError::Policy(_) => {
+                    ServeError::BadRequest(format!("\"{field}\": {e}"))
+                }
+                other => ServeError::Network(other),
+            })?;
+        }
+        Ok(())
     }
 
     /// A jailed sandbox's NIC's policy as its jail's waiter says it (`GET /vm/net` on its
@@ -572,12 +597,34 @@ impl Manager {
         &'a self,
         sandbox: &'a Sandbox,
     ) -> Result<(Activity<'a>, PathBuf), ServeError> {
+        self.enter_as(sandbox, true)
+    }
+
+    /// [`Manager::enter`] for a connection to one of its exposed ports: activity as a request
+    /// is (it keeps the sandbox awake while open), but not counted against the cap on
+    /// requests at once (each port has its own cap on connections, see `ports.rs`).
+    pub fn enter_connection<'a>(
+        &'a self,
+        sandbox: &'a Sandbox,
+    ) -> Result<(Activity<'a>, PathBuf), ServeError> {
+        self.enter_as(sandbox, false)
+    }
+
+    fn enter_as<'a>(
+        &'a self,
+        sandbox: &'a Sandbox,
+        request: bool,
+    ) -> Result<(Activity<'a>, PathBuf), ServeError> {
         sandbox.active.fetch_add(1, Ordering::SeqCst);
+        if request {
+            sandbox.requests.fetch_add(1, Ordering::SeqCst);
+        }
         let activity = Activity {
             sandbox,
             manager: self,
+            request,
         };
-        if sandbox.active.load(Ordering::SeqCst) > MAX_REQUESTS_PER_SANDBOX {
+        if request && sandbox.requests.load(Ordering::SeqCst) > MAX_REQUESTS_PER_SANDBOX {
             return Err(ServeError::Busy(format!(
                 "sandbox {} has {MAX_REQUESTS_PER_SANDBOX} requests in progress: try again \
                  once some have been answered",

@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::util::lock;
 
@@ -15,6 +16,8 @@ pub struct Listening {
     pub unix_path: Option<PathBuf>,
     /// Dropping it wakes the listener's thread, which then ends.
     pub stop: UnixStream,
+    /// Its connections open now.
+    pub open: Arc<AtomicUsize>,
 }
 
 /// Every exposed port's listener, by sandbox name and guest port.
@@ -36,8 +39,11 @@ impl PortListeners {
         true
     }
 
-    pub fn contains(&self, name: &str, guest_port: u16) -> bool {
-        lock(&self.open).contains_key(&(name.to_owned(), guest_port))
+    /// The connections open now on that port's listener, if it has one.
+    pub fn connections(&self, name: &str, guest_port: u16) -> Option<usize> {
+        lock(&self.open)
+            .get(&(name.to_owned(), guest_port))
+            .map(|l| l.open.load(Ordering::SeqCst))
     }
 
     /// Stop one listener; whether there was one.

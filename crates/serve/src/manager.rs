@@ -57,6 +57,8 @@ pub struct Manager {
     pub(crate) console_limit: u64,
     /// The network arguments every VMM gets (see [`crate::config::Config`]).
     pub(crate) net_args: Vec<String>,
+    /// Where names in policies resolve (see [`crate::config::Config`]).
+    pub(crate) net_names: mayfly_network::Names,
     /// The host listeners of the sandboxes' exposed ports (see `ports.rs`).
     pub(crate) ports: crate::listeners::PortListeners,
     /// The manager itself, for the threads it starts (the ports' listeners): set once it is
@@ -148,6 +150,7 @@ impl Manager {
             allowance: policy.vmm_allowance_mib.saturating_mul(1 << 20),
             console_limit: policy.console_limit,
             net_args: policy.net_args.clone(),
+            net_names: policy.net_names.clone(),
             ports: Default::default(),
             me: std::sync::OnceLock::new(),
             disk_over: std::sync::atomic::AtomicBool::new(false),

@@ -270,10 +270,12 @@ impl Manager {
             .ports
             .iter()
             .map(|p| {
+                let connections = self.ports.connections(&sandbox.name, p.guest_port);
                 json!({
                     "guest_port": p.guest_port,
                     "host": p.host,
-                    "listening": self.ports.contains(&sandbox.name, p.guest_port),
+                    "listening": connections.is_some(),
+                    "connections": connections.unwrap_or(0),
                 })
             })
             .collect();
@@ -357,10 +359,12 @@ impl Manager {
             guest_port,
             exposing: Arc::default(),
         };
+        let open = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&open);
         let started = std::thread::Builder::new()
             .name("port".into())
             .stack_size(mayfly_sys::HELPER_THREAD_STACK)
-            .spawn(move || listen_loop(&me, &target, &listener, &stopped));
+            .spawn(move || listen_loop(&me, &target, &listener, &stopped, &counted));
         if let Err(source) = started {
             if let Some(path) = &unix_path {
                 let _ = std::fs::remove_file(path);
@@ -371,7 +375,11 @@ impl Manager {
                 source,
             });
         }
-        let listening = Listening { unix_path, stop };
+        let listening = Listening {
+            unix_path,
+            stop,
+            open,
+        };
         if !self.ports.insert(name, guest_port, listening) {
             return Err(ServeError::Conflict(format!(
                 "guest port {guest_port} of {name} is exposed already"
@@ -409,9 +417,9 @@ fn listen_loop(
     target: &Target,
     listener: &Listener,
     stopped: &UnixStream,
+    open: &Arc<AtomicUsize>,
 ) {
     use nix::poll::{poll, PollFd, PollFlags};
-    let open = Arc::new(AtomicUsize::new(0));
     let timeout = i32::try_from(LOOK_EVERY.as_millis()).unwrap_or(1000);
     let listening = listener.fd();
     loop {
@@ -443,7 +451,7 @@ fn listen_loop(
             continue;
         }
         open.fetch_add(1, Ordering::SeqCst);
-        let (open, target) = (Arc::clone(&open), target.clone());
+        let (open, target) = (Arc::clone(open), target.clone());
         let relaying = std::thread::Builder::new()
             .name("port-conn".into())
             .stack_size(mayfly_sys::HELPER_THREAD_STACK)
@@ -469,7 +477,7 @@ fn relay(manager: &Manager, target: &Target, client: Stream) {
             json!({ "guest_port": target.guest_port, "error": error }),
         );
     };
-    let (_activity, sock) = match manager.enter(&sandbox) {
+    let (_activity, sock) = match manager.enter_connection(&sandbox) {
         Ok(entered) => entered,
         Err(e) => return unreachable(e.to_string()),
     };

@@ -38,8 +38,12 @@ pub struct Sandbox {
     /// The record as last saved: what describe, list, metrics and token checks read, so they
     /// never wait behind a wake or a suspend (which hold `inner` for as long as they take).
     pub view: Mutex<Record>,
-    /// Requests being passed to its VMM: it is not idle while one runs.
+    /// Requests being passed to its VMM and connections to its exposed ports: it is not idle
+    /// while one runs.
     pub active: AtomicUsize,
+    /// The requests among them (API calls, not port connections): what the cap on requests
+    /// at once counts, so that connections to its ports never crowd out its API.
+    pub requests: AtomicUsize,
     /// The idle watch is looking after it (on a thread of its own).
     pub watched: AtomicBool,
     /// The manager's monotonic clock at its last request, in ms since the manager started.
@@ -77,6 +81,7 @@ impl Sandbox {
             view: Mutex::new(record.clone()),
             inner: Mutex::new(Inner { record, vmm: None }),
             active: AtomicUsize::new(0),
+            requests: AtomicUsize::new(0),
             watched: AtomicBool::new(false),
             last_used: AtomicU64::new(now),
         }
