@@ -613,7 +613,7 @@ fn a_fork_makes_sandboxes_of_their_own_from_one_snapshot_running_or_asleep() {
     for (request, want) in [
         (json!({}), 400),
         (json!({"count": 0}), 400),
-        (json!({"count": 65}), 400),
+        (json!({"count": 129}), 400),
         (json!({"names": ["x", "x"]}), 400),
         (json!({"names": ["Not_A_Label"]}), 400),
         (json!({"names": ["src"]}), 409),

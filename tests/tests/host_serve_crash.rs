@@ -60,11 +60,17 @@ fn crash_on(m: &mut Manager, method: &str, path: &str, body: Option<Value>) {
 /// (they run at once, and a test asserts that no process runs as a uid it freed), with `crash_at`
 /// when given.
 fn manager(dir: &TestDir, uid_base: u32, crash_at: Option<&str>) -> Manager {
+    manager_with(dir, uid_base, crash_at, &[])
+}
+
+/// [`manager`] with more arguments (`extra`).
+fn manager_with(dir: &TestDir, uid_base: u32, crash_at: Option<&str>, extra: &[&str]) -> Manager {
     let base = uid_base.to_string();
     let mut args = vec!["--jail-uid-base", &base];
     if let Some(point) = crash_at {
         args.extend(["--crash-at", point]);
     }
+    args.extend_from_slice(extra);
     Manager::start_with(dir, &args)
 }
 
@@ -324,6 +330,95 @@ fn a_kill_mid_fork_undoes_every_clone_and_leaves_the_source_as_it_was() {
         );
     }
     assert_consistent(&m);
+}
+
+/// The same window for a jailed sandbox with a network: the restart leaves no clone's
+/// process, uid, network (its veth on the uplink: the namespace, tap and nftables table live
+/// and die with it) or cgroup, and the source keeps its own network and policy.
+#[test]
+fn a_kill_mid_fork_of_a_networked_sandbox_leaves_no_clone_network_cgroup_or_uid() {
+    let dir = TestDir::new("serve-crash-fork-net");
+    let net = mayfly_tests::netns::TestNet::new(&dir);
+    let net_args = net.args();
+    let mut m = manager_with(&dir, 1_733_000, None, &net_args);
+    let mut spec = probe_spec("src");
+    spec["net"] = json!("allow=192.0.2.1:443");
+    let (status, body) = m.admin("POST", "/sandboxes", Some(spec));
+    assert_eq!(status, 201, "{body}");
+    let links_before = mayfly_tests::netns::links_in(&net.ns);
+    kill_9(&mut m);
+    leave(m);
+
+    let mut m = manager_with(&dir, 1_733_000, Some("after-clone:5"), &net_args);
+    crash_on(
+        &mut m,
+        "POST",
+        "/sandboxes/src/fork",
+        Some(json!({"count": 6})),
+    );
+    let clones = ["src-1", "src-2", "src-3", "src-4", "src-5", "src-6"];
+    let made: Vec<Value> = clones.iter().filter_map(|c| record(&m, c)).collect();
+    assert!(
+        made.iter().filter(|r| r["state"] == "running").count() >= 5,
+        "{made:?}"
+    );
+    let uids: Vec<u64> = made.iter().filter_map(|r| r["uid"].as_u64()).collect();
+    // Their networks were made: more links on the uplink than the source's.
+    assert!(
+        mayfly_tests::netns::links_in(&net.ns).len() >= links_before.len() + 5,
+        "the clones' networks: {:?}",
+        mayfly_tests::netns::links_in(&net.ns)
+    );
+    leave(m);
+
+    let m = manager_with(&dir, 1_733_000, None, &net_args);
+    assert_eq!(listed(&m), ["src"]);
+    for clone in clones {
+        assert_eq!(vmms_on(&socket_of(&m, clone)), Vec::<u32>::new(), "{clone}");
+        assert!(!sandbox_dir(&m, clone).exists(), "{clone}'s directory");
+    }
+    for uid in uids {
+        assert_eq!(
+            running_as(uid),
+            Vec::<String>::new(),
+            "uid {uid} still runs"
+        );
+    }
+    // A veth goes when the last process holding its namespace does: give the kernel a moment.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let src_link = {
+        let (status, vm_net) = m.admin("GET", "/sandboxes/src/vm/net", None);
+        assert_eq!(status, 200, "{vm_net}");
+        assert_eq!(vm_net["policy"], "allow=192.0.2.1/32:443", "{vm_net}");
+        vm_net["host_link"]["name"].as_str().unwrap().to_string()
+    };
+    loop {
+        let links = mayfly_tests::netns::links_in(&net.ns);
+        let others: Vec<&String> = links
+            .iter()
+            .filter(|l| l.starts_with("mf") && **l != src_link)
+            .collect();
+        if others.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the clones' networks are left: {others:?} (the source's is {src_link})"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let groups: Vec<String> = std::fs::read_dir("/sys/fs/cgroup/mayfly-serve")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| clones.iter().any(|c| n.ends_with(&format!("-s-{c}"))))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(groups, Vec::<String>::new(), "the clones' cgroups are left");
+    assert_consistent(&m);
+    assert_eq!(m.events("fork_undone", "src"), 1);
+    assert_eq!(m.admin("DELETE", "/sandboxes/src", None).0, 200);
 }
 
 #[test]

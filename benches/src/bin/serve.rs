@@ -21,9 +21,11 @@
 //!
 //! - **composed** (issue "the pieces compose"): a create from a template with a NIC through
 //!   the default (jailed) manager, against a create from a template without one through a
-//!   manager started with `--no-jail`, interleaved; manager forks into 1 and 10 against
-//!   `mayfly fork` (`PUT /vm/fork`) of a plain unjailed VMM into the same counts, in the same
-//!   run. Networks go out to a namespace the benchmark makes (`--net-uplink`).
+//!   manager started with `--no-jail`, interleaved; manager forks into 1 and 10 (each round)
+//!   and 100 (`--fork-100-runs` rounds of their own, last) against `mayfly fork` (`PUT
+//!   /vm/fork`) of a plain unjailed VMM into the same counts, in the same run, with the
+//!   source's part of each manager fork. Networks go out to a namespace the benchmark makes
+//!   (`--net-uplink`). `--composed-only` runs this phase alone.
 //!
 //! Targets (issue "sandbox manager"): create from a template ≤ 1.5× a plain restore;
 //! wake-on-exec ≤ 1.5× restore → first answer; overhead per call ≤ 1 ms; disk per parked
@@ -66,6 +68,13 @@ struct Args {
     /// Sandboxes parked at once in the last phase.
     #[arg(long, default_value_t = 1000)]
     parked: usize,
+    /// Rounds that also fork into 100 (manager and `mayfly fork`): the slowest samples.
+    #[arg(long, default_value_t = 3)]
+    fork_100_runs: usize,
+    /// Only the composed phase (jailed networked creates, forks into 1, 10 and 100); the rest
+    /// of the report is left empty.
+    #[arg(long)]
+    composed_only: bool,
     /// Write the JSON report here instead of stdout.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -124,6 +133,24 @@ struct Report {
     fork_10_ms: f64,
     /// Its snapshot's part.
     fork_10_snapshot_ms: f64,
+    #[serde(flatten)]
+    composed: ComposedFigures,
+}
+
+/// `--composed-only`: the composed phase's figures alone.
+#[derive(Serialize)]
+struct ComposedReport {
+    bench: &'static str,
+    machine: Machine,
+    mem_mib: u64,
+    runs: usize,
+    fork_100_runs: usize,
+    #[serde(flatten)]
+    composed: ComposedFigures,
+}
+
+#[derive(Serialize)]
+struct ComposedFigures {
     /// A create from a template with a NIC, jailed (the default manager) → 201.
     create_jailed_with_net_ms: Stats,
     /// A create from a template without a NIC through a manager started with --no-jail.
@@ -131,11 +158,51 @@ struct Report {
     /// Median jailed networked create / median unjailed create without a network (target ≤ 1.5).
     jailed_net_over_unjailed: f64,
     /// Manager fork of a running sandbox into N (→ 201), and `mayfly fork` of a plain VMM
-    /// into N (`PUT /vm/fork` → its answer), N = 1 and 10, one sample each per round.
+    /// into N (`PUT /vm/fork` → its answer), N = 1 and 10 one sample each per round, N = 100
+    /// in the first `--fork-100-runs` rounds.
     manager_fork_ms: Vec<(usize, Stats)>,
+    /// The source's part of those (the answer's `snapshot_ms`: it is paused within it, and
+    /// runs on after; target for the pause: ≤ 10 ms).
+    manager_fork_source_snapshot_ms: Vec<(usize, Stats)>,
     mayfly_fork_ms: Vec<(usize, Stats)>,
     /// Median manager fork / median `mayfly fork`, per N (target at 100: ≤ 1.5).
     manager_over_mayfly_fork: Vec<(usize, f64)>,
+}
+
+impl ComposedFigures {
+    fn of(composed: &Composed) -> ComposedFigures {
+        let median = |v: &[f64]| Stats::of(v).map_or(0.0, |s| s.median);
+        let stats = |runs: &[(usize, Vec<f64>)]| {
+            runs.iter()
+                .map(|(n, v)| (*n, Stats::of(v).unwrap_or_default()))
+                .collect()
+        };
+        ComposedFigures {
+            jailed_net_over_unjailed: median(&composed.net_create) / median(&composed.bare_create),
+            create_jailed_with_net_ms: Stats::of(&composed.net_create).unwrap_or_default(),
+            create_unjailed_without_net_ms: Stats::of(&composed.bare_create).unwrap_or_default(),
+            manager_over_mayfly_fork: composed
+                .manager_fork
+                .iter()
+                .zip(&composed.mayfly_fork)
+                .map(|((n, a), (_, b))| (*n, median(a) / median(b)))
+                .collect(),
+            manager_fork_ms: stats(&composed.manager_fork),
+            manager_fork_source_snapshot_ms: stats(&composed.manager_snapshot),
+            mayfly_fork_ms: stats(&composed.mayfly_fork),
+        }
+    }
+
+    fn say(&self) {
+        eprintln!(
+            "serve bench: jailed create with a NIC {:.2} ms vs unjailed without {:.2} ms ({:.2}x); \
+             manager fork / mayfly fork: {:?}",
+            self.create_jailed_with_net_ms.median,
+            self.create_unjailed_without_net_ms.median,
+            self.jailed_net_over_unjailed,
+            self.manager_over_mayfly_fork
+        );
+    }
 }
 
 fn ms(since: Instant) -> f64 {
@@ -212,6 +279,21 @@ fn main() {
             .and_then(|o| o.strip_prefix("restore of "))
             .expect("a sandbox made from a template is a restore"),
     );
+
+    if args.composed_only {
+        let composed = ComposedFigures::of(&composed(&args, &m, &template));
+        composed.say();
+        let report = ComposedReport {
+            bench: "serve-composed",
+            machine: Machine::describe(),
+            mem_mib: args.mem_mib,
+            runs: args.runs,
+            fork_100_runs: args.fork_100_runs,
+            composed,
+        };
+        emit_report("serve-composed", &report, args.out.as_deref());
+        return;
+    }
 
     let (mut boot, mut from_snap, mut restore, mut suspend, mut wake) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -385,34 +467,9 @@ fn main() {
         fork_1_snapshot_ms: Stats::of(&fork_1_snapshot).unwrap_or_default(),
         fork_10_ms,
         fork_10_snapshot_ms: fork_10["snapshot_ms"].as_f64().unwrap_or(f64::NAN),
-        jailed_net_over_unjailed: median(&composed.net_create) / median(&composed.bare_create),
-        create_jailed_with_net_ms: Stats::of(&composed.net_create).unwrap_or_default(),
-        create_unjailed_without_net_ms: Stats::of(&composed.bare_create).unwrap_or_default(),
-        manager_over_mayfly_fork: composed
-            .manager_fork
-            .iter()
-            .zip(&composed.mayfly_fork)
-            .map(|((n, a), (_, b))| (*n, median(a) / median(b)))
-            .collect(),
-        manager_fork_ms: composed
-            .manager_fork
-            .iter()
-            .map(|(n, v)| (*n, Stats::of(v).unwrap_or_default()))
-            .collect(),
-        mayfly_fork_ms: composed
-            .mayfly_fork
-            .iter()
-            .map(|(n, v)| (*n, Stats::of(v).unwrap_or_default()))
-            .collect(),
+        composed: ComposedFigures::of(&composed),
     };
-    eprintln!(
-        "serve bench: jailed create with a NIC {:.2} ms vs unjailed without {:.2} ms ({:.2}x); \
-         manager fork / mayfly fork: {:?}",
-        median(&composed.net_create),
-        median(&composed.bare_create),
-        report.jailed_net_over_unjailed,
-        report.manager_over_mayfly_fork
-    );
+    report.composed.say();
     eprintln!(
         "serve bench: create from a template {:.2} ms vs plain restore {:.2} ms ({:.2}x; jailed \
          {:.2} ms, {:.2}x), wake on request {:.2} ms ({:.2}x), suspend {:.1} ms, overhead per \
@@ -482,12 +539,54 @@ struct Composed {
     net_create: Vec<f64>,
     bare_create: Vec<f64>,
     manager_fork: Vec<(usize, Vec<f64>)>,
+    /// The source's part of each manager fork (`snapshot_ms`: pause, snapshot, resume, seal).
+    manager_snapshot: Vec<(usize, Vec<f64>)>,
     mayfly_fork: Vec<(usize, Vec<f64>)>,
+}
+
+/// One manager fork of the running sandbox `net-warm` into `count` and one `mayfly fork` of the
+/// plain VMM at `sock` into as many, their clones ended after each; the times go to slot `k`.
+fn fork_pair(m: &Manager, sock: &Path, count: usize, out: &mut Composed, k: usize) {
+    let start = Instant::now();
+    let (status, body) = m.admin(
+        "POST",
+        "/sandboxes/net-warm/fork",
+        Some(json!({ "count": count })),
+    );
+    ok(status, &body, "manager fork");
+    out.manager_fork[k].1.push(ms(start));
+    out.manager_snapshot[k]
+        .1
+        .push(body["snapshot_ms"].as_f64().unwrap_or(f64::NAN));
+    for clone in body["clones"].as_array().into_iter().flatten() {
+        let name = clone["name"].as_str().unwrap_or_default();
+        m.admin("DELETE", &format!("/sandboxes/{name}"), None);
+    }
+    let start = Instant::now();
+    let (status, body) = mayfly_api::request_with_timeout(
+        sock,
+        "PUT",
+        "/vm/fork",
+        Some(&json!({ "count": count })),
+        Duration::from_secs(120),
+    )
+    .expect("the plain VMM answers its fork");
+    ok(status, &body, "mayfly fork");
+    out.mayfly_fork[k].1.push(ms(start));
+    for clone in body["clones"].as_array().into_iter().flatten() {
+        if let Some(pid) = clone["pid"]
+            .as_u64()
+            .and_then(|p| libc::pid_t::try_from(p).ok())
+        {
+            // SAFETY: kill(2) of a clone this benchmark's fork made.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
 }
 
 /// The composed sandbox against its parts: see the module docs.
 fn composed(args: &Args, m: &Manager, template: &serde_json::Value) -> Composed {
-    const COUNTS: [usize; 2] = [1, 10];
+    const COUNTS: [usize; 3] = [1, 10, 100];
     let unjailed_dir = TestDir::new("serve-bench-unjailed");
     let u = Manager::start_with(&unjailed_dir, &["--no-jail"]);
     let mut net_template = template.clone();
@@ -524,6 +623,7 @@ fn composed(args: &Args, m: &Manager, template: &serde_json::Value) -> Composed 
         net_create: Vec::new(),
         bare_create: Vec::new(),
         manager_fork: COUNTS.iter().map(|n| (*n, Vec::new())).collect(),
+        manager_snapshot: COUNTS.iter().map(|n| (*n, Vec::new())).collect(),
         mayfly_fork: COUNTS.iter().map(|n| (*n, Vec::new())).collect(),
     };
     for i in 0..args.runs {
@@ -545,37 +645,22 @@ fn composed(args: &Args, m: &Manager, template: &serde_json::Value) -> Composed 
         ok(status, &body, "unjailed create without a NIC");
         out.bare_create.push(ms(start));
         for (k, count) in COUNTS.iter().enumerate() {
-            let start = Instant::now();
-            let (status, body) = m.admin(
-                "POST",
-                "/sandboxes/net-warm/fork",
-                Some(json!({ "count": count })),
-            );
-            ok(status, &body, "manager fork");
-            out.manager_fork[k].1.push(ms(start));
-            for clone in body["clones"].as_array().into_iter().flatten() {
-                let name = clone["name"].as_str().unwrap_or_default();
-                m.admin("DELETE", &format!("/sandboxes/{name}"), None);
+            if *count <= 10 {
+                fork_pair(m, &sock, *count, &mut out, k);
             }
-            let start = Instant::now();
-            let (status, body) = mayfly_api::request_with_timeout(
-                &sock,
-                "PUT",
-                "/vm/fork",
-                Some(&json!({ "count": count })),
-                Duration::from_secs(120),
-            )
-            .expect("the plain VMM answers its fork");
-            ok(status, &body, "mayfly fork");
-            out.mayfly_fork[k].1.push(ms(start));
-            for clone in body["clones"].as_array().into_iter().flatten() {
-                if let Some(pid) = clone["pid"]
-                    .as_u64()
-                    .and_then(|p| libc::pid_t::try_from(p).ok())
-                {
-                    // SAFETY: kill(2) of a clone this benchmark's fork made.
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
-                }
+        }
+    }
+    // Forks into 100 last, in rounds of their own: ending 100 jailed VMMs (and their
+    // networks) weighs on whatever is measured right after.
+    for i in 0..args.fork_100_runs {
+        eprintln!(
+            "serve bench: fork into 100, round {}/{}",
+            i + 1,
+            args.fork_100_runs
+        );
+        for (k, count) in COUNTS.iter().enumerate() {
+            if *count > 10 {
+                fork_pair(m, &sock, *count, &mut out, k);
             }
         }
     }

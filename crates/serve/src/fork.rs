@@ -37,8 +37,9 @@ use crate::records::{valid_name, Spec};
 use crate::sandbox::Sandbox;
 use crate::util::{io_error, now_ms};
 
-/// The most clones one request makes.
-pub const MAX_CLONES: usize = 64;
+/// The most clones one request makes (a fork into 100, with room; each is a VMM of its own,
+/// and the memory budget still counts each).
+pub const MAX_CLONES: usize = 128;
 /// Clones started at once.
 const PARALLEL: usize = 4;
 
@@ -127,6 +128,10 @@ pub fn fork(
 ) -> Result<Value, ServeError> {
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let names = clone_names(manager, &source.name, request)?;
+    // The clones get the source's policy (as its waiter last said it, not the snapshot's:
+    // its VMM wrote that one); its names must still resolve, or every clone would fail.
+    let net = crate::util::lock(&source.view).net_policy.clone();
+    manager.check_names("net", net.as_deref())?;
     let start = Instant::now();
     let forks = manager.state_dir().join("forks");
     std::fs::create_dir_all(&forks).map_err(io_error("make", &forks))?;
@@ -166,9 +171,6 @@ pub fn fork(
         let spec = source.spec();
         (spec.acts_for.clone(), spec.agentless())
     };
-    // A jailed source's policy as its waiter last said it, not the snapshot's (its VMM wrote
-    // that one).
-    let net = crate::util::lock(&source.view).net_policy.clone();
     // 3. The clones, a few at a time.
     let mut made: Vec<Result<Value, (String, ServeError)>> = Vec::with_capacity(names.len());
     for chunk in names.chunks(PARALLEL) {

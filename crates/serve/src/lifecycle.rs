@@ -103,7 +103,12 @@ impl Manager {
             )));
         }
         spec.check().map_err(ServeError::BadRequest)?;
-        self.check_names(&spec)?;
+        // A fork's clones take the source's policy, checked once for them all (see `fork.rs`).
+        if fork.is_none() {
+            let template = spec.template.as_ref().and_then(|t| t.net.as_deref());
+            self.check_names("net", spec.net.as_deref())?;
+            self.check_names("template.net", template)?;
+        }
         let dir = self.dir.join("sandboxes").join(name);
         // The path its VMM binds (see files::socket), and the vsock socket beside it, the
         // longest path the VMM binds: `<api-sock>.vsock_<port>`.
@@ -331,23 +336,20 @@ impl Manager {
         Ok(BuildUid { manager: self, uid })
     }
 
-    /// Every name in the create's policies (its own `"net"`, its template's) resolves, as its
-    /// VMM will resolve it (`--net-dns` from `--net-uplink`): 400 with the resolver's reason
-    /// otherwise, before a VMM, a template build or a uid is spent on it.
-    fn check_names(&self, spec: &Spec) -> Result<(), ServeError> {
-        let template = spec.template.as_ref().and_then(|t| t.net.as_ref());
-        for (field, net) in [("net", spec.net.as_ref()), ("template.net", template)] {
-            let Some(Ok(policy)) = net.map(|n| n.parse::<mayfly_network::Policy>()) else {
-                continue;
-            };
-            self.net_names.check(&policy).map_err(|e| match e {
-                mayfly_network::NetworkError::Policy(_) => {
-                    ServeError::BadRequest(format!("\"{field}\": {e}"))
-                }
-                other => ServeError::Network(other),
-            })?;
-        }
-        Ok(())
+    /// Every name in a policy (`field` of the request: a create's `"net"`, its template's)
+    /// resolves, as its VMM will resolve it (`--net-dns` from `--net-uplink`): 400 with the
+    /// resolver's reason otherwise, before a VMM, a template build or a uid is spent on it.
+    pub(crate) fn check_names(&self, field: &str, net: Option<&str>) -> Result<(), ServeError> {
+        // One that does not parse was refused already (`Spec::check`).
+        let Some(Ok(policy)) = net.map(str::parse::<mayfly_network::Policy>) else {
+            return Ok(());
+        };
+        self.net_names.check(&policy).map_err(|e| match e {
+            mayfly_network::NetworkError::Policy(_) => {
+                ServeError::BadRequest(format!("\"{field}\": {e}"))
+            }
+            other => ServeError::Network(other),
+        })
     }
 
     /// A jailed sandbox's NIC's policy as its jail's waiter says it (`GET /vm/net` on its
