@@ -4,7 +4,8 @@
 //! ([`crate::netns::TestNet::with_internet`]). The demo runs the same script.
 
 /// The test's package index and the DNS server that names it (tests/fixtures/package-index.py),
-/// run in the test's internet namespace; killed when dropped.
+/// run in the test's internet namespace; killed when dropped. A decoy server listens on TCP
+/// port 80 of the DNS server's address: reachable, were a policy to allow it.
 pub struct PackageIndex {
     child: std::process::Child,
     log: std::path::PathBuf,
@@ -28,6 +29,7 @@ impl PackageIndex {
             .args(["--http", &format!("{}:80", Self::HTTP)])
             .args(["--dns", &format!("{}:53", Self::DNS)])
             .args(["--log", &log.to_string_lossy()])
+            .args(["--decoy", &format!("{}:80", Self::DNS)])
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .spawn()

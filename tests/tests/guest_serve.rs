@@ -507,7 +507,8 @@ fn the_seeds_trace_pip_install_behind_an_allowlist_then_a_fork_into_three_fixes(
             .any(|(who, path)| *who == outside && path.starts_with("/packages/")),
         "the wheel was fetched from the sandbox's own address {outside}: {requests:?}"
     );
-    // Nothing else is reachable: the resolver's own address on another port.
+    // Nothing else is reachable: a server on the resolver's address (TCP 80, the decoy), which
+    // the allowlist does not name.
     let (code, out) = shell(
         &m,
         &token,
@@ -520,6 +521,11 @@ fn the_seeds_trace_pip_install_behind_an_allowlist_then_a_fork_into_three_fixes(
     assert_ne!(
         code, 0,
         "a destination off the allowlist was reached: {out}"
+    );
+    assert!(
+        !index.requests().iter().any(|(_, what)| what == "-"),
+        "the decoy saw a connection: {:?}",
+        index.requests()
     );
 
     // 3. The project, and its test: it fails; the verdict is the exit code, the output and

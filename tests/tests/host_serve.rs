@@ -1591,4 +1591,27 @@ fn names_in_policies_are_asked_of_the_guests_resolver_and_unknown_ones_are_refus
     assert!(body.to_string().contains("no such name"), "{body}");
     assert_eq!(policy(), pinned, "the old policy stays");
     assert_eq!(m.admin("DELETE", "/sandboxes/named", None).0, 200);
+
+    // A resolver that does not answer is not the request's fault: 503, try again.
+    let dir = TestDir::new("serve-names-deaf");
+    let deaf = mayfly_tests::netns::TestNet::with_internet(
+        &dir,
+        &[PackageIndex::HTTP],
+        Some(PackageIndex::HTTP),
+    );
+    let m = Manager::start_with(&dir, &deaf.args());
+    let (status, body) = m.admin(
+        "POST",
+        "/sandboxes",
+        Some(probe("deaf", "allow=pypi.test:80")),
+    );
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("try again"),
+        "{body}"
+    );
+    assert_eq!(m.admin("GET", "/sandboxes/deaf", None).0, 404);
 }

@@ -332,6 +332,24 @@ fn a_kill_mid_fork_undoes_every_clone_and_leaves_the_source_as_it_was() {
     assert_consistent(&m);
 }
 
+/// The memory cgroup of process `pid`, if it is one of a manager's (under `mayfly-serve`).
+fn memory_cgroup(pid: u64) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    text.lines().find_map(|line| {
+        let mut fields = line.splitn(3, ':');
+        let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+        let dir = match controllers {
+            // cgroup v1's memory hierarchy, or v2's one.
+            c if c.split(',').any(|c| c == "memory") => {
+                Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/'))
+            }
+            "" => Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/')),
+            _ => return None,
+        };
+        path.contains("mayfly-serve").then_some(dir)
+    })
+}
+
 /// The same window for a jailed sandbox with a network: the restart leaves no clone's
 /// process, uid, network (its veth on the uplink: the namespace, tap and nftables table live
 /// and die with it) or cgroup, and the source keeps its own network and policy.
@@ -341,7 +359,7 @@ fn a_kill_mid_fork_of_a_networked_sandbox_leaves_no_clone_network_cgroup_or_uid(
     let net = mayfly_tests::netns::TestNet::new(&dir);
     let net_args = net.args();
     let mut m = manager_with(&dir, 1_733_000, None, &net_args);
-    let mut spec = probe_spec("src");
+    let mut spec = probe_spec("netsrc");
     spec["net"] = json!("allow=192.0.2.1:443");
     let (status, body) = m.admin("POST", "/sandboxes", Some(spec));
     assert_eq!(status, 201, "{body}");
@@ -353,16 +371,28 @@ fn a_kill_mid_fork_of_a_networked_sandbox_leaves_no_clone_network_cgroup_or_uid(
     crash_on(
         &mut m,
         "POST",
-        "/sandboxes/src/fork",
+        "/sandboxes/netsrc/fork",
         Some(json!({"count": 6})),
     );
-    let clones = ["src-1", "src-2", "src-3", "src-4", "src-5", "src-6"];
+    let clones = [
+        "netsrc-1", "netsrc-2", "netsrc-3", "netsrc-4", "netsrc-5", "netsrc-6",
+    ];
     let made: Vec<Value> = clones.iter().filter_map(|c| record(&m, c)).collect();
     assert!(
         made.iter().filter(|r| r["state"] == "running").count() >= 5,
         "{made:?}"
     );
     let uids: Vec<u64> = made.iter().filter_map(|r| r["uid"].as_u64()).collect();
+    // Their VMMs' memory cgroups (the manager's: under mayfly-serve), there now.
+    let groups: Vec<PathBuf> = made
+        .iter()
+        .filter_map(|r| r["pid"].as_u64())
+        .filter_map(memory_cgroup)
+        .collect();
+    assert!(
+        groups.len() >= 5 && groups.iter().all(|g| g.is_dir()),
+        "the clones' cgroups: {groups:?}"
+    );
     // Their networks were made: more links on the uplink than the source's.
     assert!(
         mayfly_tests::netns::links_in(&net.ns).len() >= links_before.len() + 5,
@@ -372,7 +402,7 @@ fn a_kill_mid_fork_of_a_networked_sandbox_leaves_no_clone_network_cgroup_or_uid(
     leave(m);
 
     let m = manager_with(&dir, 1_733_000, None, &net_args);
-    assert_eq!(listed(&m), ["src"]);
+    assert_eq!(listed(&m), ["netsrc"]);
     for clone in clones {
         assert_eq!(vmms_on(&socket_of(&m, clone)), Vec::<u32>::new(), "{clone}");
         assert!(!sandbox_dir(&m, clone).exists(), "{clone}'s directory");
@@ -387,7 +417,7 @@ fn a_kill_mid_fork_of_a_networked_sandbox_leaves_no_clone_network_cgroup_or_uid(
     // A veth goes when the last process holding its namespace does: give the kernel a moment.
     let deadline = Instant::now() + Duration::from_secs(10);
     let src_link = {
-        let (status, vm_net) = m.admin("GET", "/sandboxes/src/vm/net", None);
+        let (status, vm_net) = m.admin("GET", "/sandboxes/netsrc/vm/net", None);
         assert_eq!(status, 200, "{vm_net}");
         assert_eq!(vm_net["policy"], "allow=192.0.2.1/32:443", "{vm_net}");
         vm_net["host_link"]["name"].as_str().unwrap().to_string()
@@ -407,18 +437,11 @@ fn a_kill_mid_fork_of_a_networked_sandbox_leaves_no_clone_network_cgroup_or_uid(
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let groups: Vec<String> = std::fs::read_dir("/sys/fs/cgroup/mayfly-serve")
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| clones.iter().any(|c| n.ends_with(&format!("-s-{c}"))))
-                .collect()
-        })
-        .unwrap_or_default();
-    assert_eq!(groups, Vec::<String>::new(), "the clones' cgroups are left");
+    let left: Vec<&PathBuf> = groups.iter().filter(|g| g.exists()).collect();
+    assert!(left.is_empty(), "the clones' cgroups are left: {left:?}");
     assert_consistent(&m);
-    assert_eq!(m.events("fork_undone", "src"), 1);
-    assert_eq!(m.admin("DELETE", "/sandboxes/src", None).0, 200);
+    assert_eq!(m.events("fork_undone", "netsrc"), 1);
+    assert_eq!(m.admin("DELETE", "/sandboxes/netsrc", None).0, 200);
 }
 
 #[test]

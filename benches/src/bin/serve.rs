@@ -159,7 +159,7 @@ struct ComposedFigures {
     jailed_net_over_unjailed: f64,
     /// Manager fork of a running sandbox into N (→ 201), and `mayfly fork` of a plain VMM
     /// into N (`PUT /vm/fork` → its answer), N = 1 and 10 one sample each per round, N = 100
-    /// in the first `--fork-100-runs` rounds.
+    /// in `--fork-100-runs` rounds of their own after those (none: its ratio is null).
     manager_fork_ms: Vec<(usize, Stats)>,
     /// The source's part of those (the answer's `snapshot_ms`: it is paused within it, and
     /// runs on after; target for the pause: ≤ 10 ms).

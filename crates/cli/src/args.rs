@@ -402,7 +402,9 @@ pub(crate) struct NetPlaceArgs {
     #[arg(long, value_name = "PATH")]
     pub(crate) net_uplink: Option<PathBuf>,
     /// The DNS resolver the guest is told to use; an allowlist lets DNS reach it, and only it.
-    /// DNS reaches it even at a host or private address.
+    /// DNS reaches it even at a host or private address. Names in policies are resolved by
+    /// it too (asked from the uplink namespace), so host and guest agree on them; without it,
+    /// by this host's resolver.
     #[arg(long, value_name = "IPV4")]
     pub(crate) net_dns: Option<std::net::Ipv4Addr>,
     /// Private networks a policy may reach (inside 10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16

@@ -11,7 +11,10 @@
 //! CNAME chains in the answer are followed (a CDN's name usually is one). The socket is
 //! connected, so the kernel drops datagrams from anyone but the resolver, and an answer whose
 //! id or question differs from the query is ignored. Packets are built and parsed by the
-//! `simple-dns` crate.
+//! `simple-dns` crate. All the names of one policy share one deadline
+//! ([`crate::policy::RESOLVE_BUDGET`], at most [`crate::policy::MAX_NAMES`] names): a name the
+//! resolver says has no IPv4 address is the policy's fault ([`LookupError::Answer`]), no
+//! answer in time is the resolver's ([`LookupError::Resolver`]).
 
 use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
@@ -21,24 +24,42 @@ use std::time::{Duration, Instant};
 use simple_dns::rdata::RData;
 use simple_dns::{Name, Packet, PacketFlag, Question, CLASS, QCLASS, QTYPE, RCODE, TYPE};
 
-/// Tries over UDP before giving up, and how long each waits for an answer.
+use crate::policy::LookupError;
+
+/// Tries over UDP before giving up, and how long each waits for an answer (less when the
+/// caller's deadline is nearer).
 const TRIES: u32 = 3;
 const WAIT: Duration = Duration::from_secs(1);
-/// The TCP exchange after a truncated answer, as a whole.
+/// The TCP exchange after a truncated answer, as a whole (or to the caller's deadline).
 const TCP_WAIT: Duration = Duration::from_secs(3);
 /// CNAME links followed before the answer is called a loop.
 const MAX_CHAIN: usize = 16;
 
 /// The IPv4 addresses of `name` as the resolver at `server` says, asked from the network
-/// namespace `ns`. The error says why not, for [`crate::PolicyError::Unresolvable`].
-pub(crate) fn lookup(server: SocketAddrV4, ns: &File, name: &str) -> Result<Vec<Ipv4Addr>, String> {
-    crate::netns::run_in(ns, || query(server, name))
-        .map_err(|e| format!("cannot enter the uplink namespace to ask {server}: {e}"))?
+/// namespace `ns`, given up at `deadline`.
+pub(crate) fn lookup(
+    server: SocketAddrV4,
+    ns: &File,
+    name: &str,
+    deadline: Instant,
+) -> Result<Vec<Ipv4Addr>, LookupError> {
+    crate::netns::run_in(ns, || query(server, name, deadline)).map_err(|e| {
+        LookupError::Resolver(format!(
+            "cannot enter the uplink namespace to ask {server}: {e}"
+        ))
+    })?
 }
 
 /// [`lookup`] in the calling thread's namespace.
-pub(crate) fn query(server: SocketAddrV4, name: &str) -> Result<Vec<Ipv4Addr>, String> {
-    let io = |what: &'static str| move |e: std::io::Error| format!("{what} {server}: {e}");
+pub(crate) fn query(
+    server: SocketAddrV4,
+    name: &str,
+    deadline: Instant,
+) -> Result<Vec<Ipv4Addr>, LookupError> {
+    let io = |what: &'static str| {
+        move |e: std::io::Error| LookupError::Resolver(format!("{what} {server}: {e}"))
+    };
+    let request_for = |id| build_query(id, name).map_err(LookupError::Answer);
     let sock =
         UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(io("cannot open a socket to"))?;
     sock.connect(server)
@@ -46,11 +67,11 @@ pub(crate) fn query(server: SocketAddrV4, name: &str) -> Result<Vec<Ipv4Addr>, S
     let mut buf = [0u8; 1500];
     for _ in 0..TRIES {
         let id = random_id();
-        let request = build_query(id, name)?;
+        let request = request_for(id)?;
         sock.send(&request).map_err(io("cannot send a query to"))?;
-        let deadline = Instant::now() + WAIT;
+        let wait_until = deadline.min(Instant::now() + WAIT);
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = wait_until.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
@@ -60,7 +81,9 @@ pub(crate) fn query(server: SocketAddrV4, name: &str) -> Result<Vec<Ipv4Addr>, S
                 Ok(n) => n,
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => break,
                 Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
-                    return Err(format!("nothing answers DNS at {server}"));
+                    return Err(LookupError::Resolver(format!(
+                        "nothing answers DNS at {server}"
+                    )));
                 }
                 Err(e) => return Err(io("no answer from")(e)),
             };
@@ -71,37 +94,71 @@ pub(crate) fn query(server: SocketAddrV4, name: &str) -> Result<Vec<Ipv4Addr>, S
                 continue;
             }
             if reply.has_flags(PacketFlag::TRUNCATION) {
-                return query_tcp(server, id, &request, name);
+                return query_tcp(server, id, &request, name, deadline);
             }
             return addresses(&reply, name, server);
         }
+        if Instant::now() >= deadline {
+            break;
+        }
     }
-    Err(format!("{server} did not answer in {TRIES} tries"))
+    Err(LookupError::Resolver(format!(
+        "{server} did not answer in time"
+    )))
 }
 
-/// The same query over TCP (RFC 1035 4.2.2: each message after its 16-bit length).
+/// The same query over TCP (RFC 1035 4.2.2: each message after its 16-bit length), all of it
+/// within [`TCP_WAIT`] and `deadline`.
 fn query_tcp(
     server: SocketAddrV4,
     id: u16,
     request: &[u8],
     name: &str,
-) -> Result<Vec<Ipv4Addr>, String> {
-    let io = |e: std::io::Error| format!("TCP to {server} after a truncated answer: {e}");
-    let mut conn = TcpStream::connect_timeout(&server.into(), TCP_WAIT).map_err(io)?;
-    conn.set_read_timeout(Some(TCP_WAIT)).map_err(io)?;
-    conn.set_write_timeout(Some(TCP_WAIT)).map_err(io)?;
-    let len = u16::try_from(request.len()).map_err(|_| "the query is too long".to_string())?;
+    deadline: Instant,
+) -> Result<Vec<Ipv4Addr>, LookupError> {
+    let deadline = deadline.min(Instant::now() + TCP_WAIT);
+    let io = |e: std::io::Error| {
+        LookupError::Resolver(format!("TCP to {server} after a truncated answer: {e}"))
+    };
+    let left = || {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            Err(io(ErrorKind::TimedOut.into()))
+        } else {
+            Ok(left)
+        }
+    };
+    let mut conn = TcpStream::connect_timeout(&server.into(), left()?).map_err(io)?;
+    conn.set_write_timeout(Some(left()?)).map_err(io)?;
+    let len = u16::try_from(request.len())
+        .map_err(|_| LookupError::Answer("the query is too long".to_string()))?;
     let mut out = len.to_be_bytes().to_vec();
     out.extend_from_slice(request);
     conn.write_all(&out).map_err(io)?;
+    // Each read waits only for what is left: a resolver that trickles cannot hold on.
+    let mut read_exact = |buf: &mut [u8]| -> Result<(), LookupError> {
+        let mut got = 0;
+        while got < buf.len() {
+            conn.set_read_timeout(Some(left()?)).map_err(io)?;
+            match conn.read(&mut buf[got..]) {
+                Ok(0) => return Err(io(ErrorKind::UnexpectedEof.into())),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(io(e)),
+            }
+        }
+        Ok(())
+    };
     let mut len = [0u8; 2];
-    conn.read_exact(&mut len).map_err(io)?;
+    read_exact(&mut len)?;
     let mut body = vec![0u8; usize::from(u16::from_be_bytes(len))];
-    conn.read_exact(&mut body).map_err(io)?;
-    let reply =
-        Packet::parse(&body).map_err(|e| format!("{server} sent a malformed answer: {e}"))?;
+    read_exact(&mut body)?;
+    let reply = Packet::parse(&body)
+        .map_err(|e| LookupError::Resolver(format!("{server} sent a malformed answer: {e}")))?;
     if !is_reply_to(&reply, id, name) {
-        return Err(format!("{server} answered another question over TCP"));
+        return Err(LookupError::Resolver(format!(
+            "{server} answered another question over TCP"
+        )));
     }
     addresses(&reply, name, server)
 }
@@ -141,15 +198,24 @@ fn addresses(
     reply: &Packet<'_>,
     name: &str,
     server: SocketAddrV4,
-) -> Result<Vec<Ipv4Addr>, String> {
+) -> Result<Vec<Ipv4Addr>, LookupError> {
     match reply.rcode() {
         RCODE::NoError => {}
-        RCODE::NameError => return Err(format!("{server} says there is no such name")),
-        other => return Err(format!("{server} answered {other:?}")),
+        RCODE::NameError => {
+            return Err(LookupError::Answer(format!(
+                "{server} says there is no such name"
+            )))
+        }
+        other => {
+            return Err(LookupError::Resolver(format!(
+                "{server} answered {other:?}"
+            )))
+        }
     }
     let mut current = name.trim_end_matches('.').to_ascii_lowercase();
+    let mut seen = vec![current.clone()];
     let mut found = Vec::new();
-    for _ in 0..MAX_CHAIN {
+    loop {
         let mut next = None;
         for record in reply
             .answers
@@ -162,17 +228,25 @@ fn addresses(
                 _ => {}
             }
         }
-        match next {
-            Some(target) if found.is_empty() => current = target.trim_end_matches('.').to_string(),
-            _ => break,
+        let Some(target) = next.filter(|_| found.is_empty()) else {
+            break;
+        };
+        let target = target.trim_end_matches('.').to_string();
+        if seen.contains(&target) || seen.len() > MAX_CHAIN {
+            return Err(LookupError::Resolver(format!(
+                "{server} answered a CNAME loop or too long a chain ({})",
+                seen.join(" -> ")
+            )));
         }
+        seen.push(target.clone());
+        current = target;
     }
     found.sort();
     found.dedup();
     if found.is_empty() {
-        return Err(format!(
+        return Err(LookupError::Answer(format!(
             "{server} knows the name but gives it no IPv4 address"
-        ));
+        )));
     }
     Ok(found)
 }
@@ -217,6 +291,9 @@ pub(crate) mod tests {
                     return;
                 };
                 let query = Packet::parse(&buf[..n]).unwrap();
+                if query.questions[0].qname.to_string() == "silent.test" {
+                    continue;
+                }
                 let mut decoy = answer(&query, false);
                 decoy.set_id(query.id().wrapping_add(1));
                 udp.send_to(&decoy.build_bytes_vec().unwrap(), from)
@@ -272,6 +349,12 @@ pub(crate) mod tests {
                 reply.answers.push(a("elsewhere.test", [203, 0, 113, 66]));
             }
             "one.test" => reply.answers.push(a("one.test", [198, 51, 100, 1])),
+            "loop.test" => reply.answers.push(ResourceRecord::new(
+                Name::new_unchecked("loop.test"),
+                CLASS::IN,
+                60,
+                RData::CNAME(CNAME(Name::new_unchecked("loop.test"))),
+            )),
             "big.test" if udp => reply.set_flags(PacketFlag::TRUNCATION),
             "big.test" => reply.answers.push(a("big.test", [198, 51, 100, 9])),
             "v6.test" => {}
@@ -280,15 +363,25 @@ pub(crate) mod tests {
         reply
     }
 
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(5)
+    }
+
+    fn why(e: LookupError) -> String {
+        match e {
+            LookupError::Answer(w) | LookupError::Resolver(w) => w,
+        }
+    }
+
     #[test]
     fn a_name_resolves_through_the_resolver_cnames_followed_truncation_over_tcp() {
         let server = resolver();
         assert_eq!(
-            query(server, "one.test").unwrap(),
+            query(server, "one.test", soon()).unwrap(),
             vec![Ipv4Addr::new(198, 51, 100, 1)]
         );
         assert_eq!(
-            query(server, "CDN.test.").unwrap(),
+            query(server, "CDN.test.", soon()).unwrap(),
             vec![
                 Ipv4Addr::new(198, 51, 100, 7),
                 Ipv4Addr::new(198, 51, 100, 8)
@@ -296,13 +389,35 @@ pub(crate) mod tests {
             "the chain's addresses only"
         );
         assert_eq!(
-            query(server, "big.test").unwrap(),
+            query(server, "big.test", soon()).unwrap(),
             vec![Ipv4Addr::new(198, 51, 100, 9)]
         );
-        let err = query(server, "nothing.test").unwrap_err();
-        assert!(err.contains("no such name"), "{err}");
-        let err = query(server, "v6.test").unwrap_err();
-        assert!(err.contains("no IPv4 address"), "{err}");
+        let err = query(server, "nothing.test", soon()).unwrap_err();
+        assert!(
+            matches!(&err, LookupError::Answer(w) if w.contains("no such name")),
+            "{err:?}"
+        );
+        let err = query(server, "v6.test", soon()).unwrap_err();
+        assert!(
+            matches!(&err, LookupError::Answer(w) if w.contains("no IPv4 address")),
+            "{err:?}"
+        );
+        let err = query(server, "loop.test", soon()).unwrap_err();
+        assert!(
+            matches!(&err, LookupError::Resolver(w) if w.contains("loop")),
+            "{err:?}"
+        );
+        // A resolver that never answers: given up at the deadline, as the resolver's fault.
+        let started = Instant::now();
+        let err = query(server, "silent.test", started + Duration::from_millis(300)).unwrap_err();
+        assert!(
+            matches!(&err, LookupError::Resolver(w) if w.contains("did not answer")),
+            "{err:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "the deadline holds"
+        );
     }
 
     #[test]
@@ -315,7 +430,7 @@ pub(crate) mod tests {
         };
         drop(sock);
         let started = Instant::now();
-        let err = query(addr, "one.test").unwrap_err();
+        let err = why(query(addr, "one.test", soon()).unwrap_err());
         assert!(err.contains("nothing answers DNS"), "{err}");
         assert!(
             started.elapsed() < WAIT,

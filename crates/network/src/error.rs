@@ -48,6 +48,30 @@ pub enum NetworkError {
     Expose { port: u16, source: std::io::Error },
 }
 
+/// Whose fault an error is, for a caller that answers a request with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// What was asked cannot be (a policy naming nothing resolvable, or only what no VM
+    /// reaches; a bad network): the asker's to change.
+    Request,
+    /// The resolver did not answer in time, or failed: worth another try.
+    Resolver,
+    /// This host's: tools, system calls, slots.
+    Host,
+}
+
+impl NetworkError {
+    pub fn fault(&self) -> Fault {
+        match self {
+            NetworkError::Policy(PolicyError::ResolverFailed { .. }) => Fault::Resolver,
+            NetworkError::Policy(_) | NetworkError::BadNet { .. } | NetworkError::BadReach(_) => {
+                Fault::Request
+            }
+            _ => Fault::Host,
+        }
+    }
+}
+
 pub(crate) type Result<T> = std::result::Result<T, NetworkError>;
 
 pub(crate) fn sys(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> NetworkError {

@@ -228,10 +228,24 @@ impl Keeper {
     }
 
     /// Change the VM's policy (see [`VmNetwork::set_policy`]); `None` when it has no network.
+    /// Names are resolved without the network's lock held (they may take seconds), so the
+    /// VMM's other requests are answered meanwhile.
     pub fn set_policy(&self, policy: Policy) -> Option<Result<serde_json::Value, NetworkError>> {
+        let resolver = match lock(&self.network).as_ref()?.resolver() {
+            Ok(r) => r,
+            Err(e) => return Some(Err(e)),
+        };
+        let resolved = match resolver.resolve(&policy) {
+            Ok(r) => r,
+            Err(e) => return Some(Err(e)),
+        };
         let mut held = lock(&self.network);
         let network = held.as_mut()?;
-        Some(network.set_policy(policy).map(|()| network.describe()))
+        Some(
+            network
+                .apply_policy(policy, resolved)
+                .map(|()| network.describe()),
+        )
     }
 
     /// Make `guest_port` reachable on the host at `on` (see [`VmNetwork::expose`]); `None`

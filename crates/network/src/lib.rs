@@ -57,7 +57,7 @@ mod nft;
 pub mod policy;
 
 pub use addr::{MacAddr, GATEWAY_IP, GATEWAY_MAC, GUEST_IP, GUEST_PREFIX};
-pub use error::NetworkError;
+pub use error::{Fault, NetworkError};
 pub use expose::{ExposeOn, HostEndpoint};
 pub use ipnet::Ipv4Net;
 pub use netns::{check_tools, inode as namespace_inode, run_in};

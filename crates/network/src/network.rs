@@ -552,14 +552,31 @@ fn resolve(
     Ok(policy.resolve_checked(dns, &lookup(dns, uplink), |nets| never.refuses(nets))?)
 }
 
-/// How a name in a policy is resolved: by `dns` from `uplink`, else by this host's resolver.
+/// How a name in a policy is resolved: by `dns` from `uplink`, else by this host's resolver;
+/// every name of one policy within [`policy::RESOLVE_BUDGET`] from now.
 fn lookup(
     dns: Option<Ipv4Addr>,
     uplink: &File,
-) -> impl Fn(&str) -> std::result::Result<Vec<Ipv4Addr>, String> + '_ {
+) -> impl Fn(&str) -> std::result::Result<Vec<Ipv4Addr>, policy::LookupError> + '_ {
+    let deadline = std::time::Instant::now() + policy::RESOLVE_BUDGET;
     move |name: &str| match dns {
-        Some(server) => crate::dns::lookup(SocketAddrV4::new(server, 53), uplink, name),
+        Some(server) => crate::dns::lookup(SocketAddrV4::new(server, 53), uplink, name, deadline),
         None => policy::host_lookup(name),
+    }
+}
+
+/// What resolving a VM's policy takes, apart from the VM's network (so that a caller holding
+/// the network behind a lock can resolve without holding it: see [`VmNetwork::resolver`]).
+pub struct PolicyResolver {
+    dns: Option<Ipv4Addr>,
+    uplink: File,
+    never: Arc<Never>,
+}
+
+impl PolicyResolver {
+    /// `policy` resolved as [`VmNetwork::set_policy`] would resolve it.
+    pub fn resolve(&self, policy: &Policy) -> Result<policy::Resolved> {
+        resolve(policy, self.dns, &self.uplink, &self.never)
     }
 }
 
@@ -689,7 +706,25 @@ impl VmNetwork {
     /// allowlist entry naming only never-reached networks is refused
     /// ([`crate::PolicyError::NeverReached`]) and the old policy stays.
     pub fn set_policy(&mut self, policy: Policy) -> Result<()> {
-        let resolved = resolve(&policy, self.dns, &self.uplink, &self.never)?;
+        let resolved = self.resolver()?.resolve(&policy)?;
+        self.apply_policy(policy, resolved)
+    }
+
+    /// What resolves a policy for this VM's network, on its own (names take up to
+    /// [`policy::RESOLVE_BUDGET`]: resolve with it, then [`VmNetwork::apply_policy`]).
+    pub fn resolver(&self) -> Result<PolicyResolver> {
+        Ok(PolicyResolver {
+            dns: self.dns,
+            uplink: self
+                .uplink
+                .try_clone()
+                .map_err(sys("cannot keep the uplink namespace"))?,
+            never: self.never.clone(),
+        })
+    }
+
+    /// [`VmNetwork::set_policy`] with `resolved`, what [`VmNetwork::resolver`] made of `policy`.
+    pub fn apply_policy(&mut self, policy: Policy, resolved: policy::Resolved) -> Result<()> {
         let [nets, svcs, dns] = nft::policy_sets(&resolved);
         self.nft
             .lock()

@@ -48,6 +48,20 @@ pub enum Dest {
     Host(String),
 }
 
+/// Domain names one allowlist may name: each is a query when the policy is applied, all of
+/// them within [`RESOLVE_BUDGET`].
+pub const MAX_NAMES: usize = 16;
+/// How long resolving one policy's names may take, all of them together.
+pub const RESOLVE_BUDGET: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Why a name did not resolve: the resolver's answer (the name has no IPv4 address), or no
+/// answer at all (the resolver's fault, or the network's: worth another try).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LookupError {
+    Answer(String),
+    Resolver(String),
+}
+
 /// Why a policy does not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
@@ -63,6 +77,11 @@ pub enum PolicyError {
     Ipv6(String),
     #[error("{name:?} does not resolve to an IPv4 address ({why}): use an address, or a name the resolver knows (--net-dns when given, else this host's)")]
     Unresolvable { name: String, why: String },
+    /// The resolver did not say (no answer in time, a server failure): not the policy's fault.
+    #[error("cannot resolve {name:?}: {why}: check the resolver (--net-dns when given, else this host's), then try again")]
+    ResolverFailed { name: String, why: String },
+    #[error("allow= names {0} domain names: at most {MAX_NAMES} (each is asked of the resolver when the policy is applied); use addresses for the rest")]
+    TooManyNames(usize),
     /// An allowlist entry that names only networks a VM never reaches on this host.
     #[error("allow={rule}: a VM never reaches any of it: {why}")]
     NeverReached { rule: String, why: String },
@@ -89,6 +108,13 @@ impl FromStr for Policy {
             .collect::<Result<Vec<_>, _>>()?;
         if rules.is_empty() {
             return Err(PolicyError::EmptyAllow);
+        }
+        let names = rules
+            .iter()
+            .filter(|r| matches!(r.dest, Dest::Host(_)))
+            .count();
+        if names > MAX_NAMES {
+            return Err(PolicyError::TooManyNames(names));
         }
         Ok(Policy::Allow(rules))
     }
@@ -241,7 +267,7 @@ impl Policy {
     pub(crate) fn resolve_checked(
         &self,
         dns: Option<Ipv4Addr>,
-        lookup: &dyn Fn(&str) -> Result<Vec<Ipv4Addr>, String>,
+        lookup: &dyn Fn(&str) -> Result<Vec<Ipv4Addr>, LookupError>,
         refuse: impl Fn(&[Ipv4Net]) -> Option<String>,
     ) -> Result<Resolved, PolicyError> {
         let mut out = Resolved::default();
@@ -283,12 +309,19 @@ impl Policy {
 
 fn resolve_name(
     name: &str,
-    lookup: &dyn Fn(&str) -> Result<Vec<Ipv4Addr>, String>,
+    lookup: &dyn Fn(&str) -> Result<Vec<Ipv4Addr>, LookupError>,
 ) -> Result<Vec<Ipv4Net>, PolicyError> {
+    let name_of = || name.to_string();
     let mut nets: Vec<Ipv4Net> = lookup(name)
-        .map_err(|why| PolicyError::Unresolvable {
-            name: name.to_string(),
-            why,
+        .map_err(|e| match e {
+            LookupError::Answer(why) => PolicyError::Unresolvable {
+                name: name_of(),
+                why,
+            },
+            LookupError::Resolver(why) => PolicyError::ResolverFailed {
+                name: name_of(),
+                why,
+            },
         })?
         .into_iter()
         .map(Ipv4Net::from)
@@ -305,8 +338,16 @@ fn resolve_name(
 }
 
 /// A name's IPv4 addresses by this host's resolver (glibc: `/etc/hosts`, then DNS).
-pub(crate) fn host_lookup(name: &str) -> Result<Vec<Ipv4Addr>, String> {
-    let addrs = (name, 0u16).to_socket_addrs().map_err(|e| e.to_string())?;
+pub(crate) fn host_lookup(name: &str) -> Result<Vec<Ipv4Addr>, LookupError> {
+    let addrs = (name, 0u16).to_socket_addrs().map_err(|e| {
+        // std keeps only gai_strerror's text: EAI_AGAIN's is the one that is not an answer.
+        let why = e.to_string();
+        if why.contains("Temporary failure") {
+            LookupError::Resolver(why)
+        } else {
+            LookupError::Answer(why)
+        }
+    })?;
     let v4: Vec<Ipv4Addr> = addrs
         .filter_map(|a| match a.ip() {
             IpAddr::V4(v4) => Some(v4),
@@ -314,7 +355,9 @@ pub(crate) fn host_lookup(name: &str) -> Result<Vec<Ipv4Addr>, String> {
         })
         .collect();
     if v4.is_empty() {
-        return Err("it has IPv6 addresses only".to_string());
+        return Err(LookupError::Answer(
+            "it has IPv6 addresses only".to_string(),
+        ));
     }
     Ok(v4)
 }
@@ -511,6 +554,19 @@ mod tests {
             .starts_with("allow=10.0.0.5/32:443: a VM never reaches"));
         let p: Policy = "allow=0.0.0.0/0".parse().unwrap();
         assert!(p.resolve_checked(None, &host_lookup, refuse).is_ok());
+    }
+
+    #[test]
+    fn an_allowlist_names_at_most_sixteen_domains() {
+        let names = |n: usize| {
+            let list: Vec<String> = (0..n).map(|i| format!("host{i}.test:443")).collect();
+            format!("allow=192.0.2.0/24,{}", list.join(","))
+        };
+        assert!(names(MAX_NAMES).parse::<Policy>().is_ok());
+        assert_eq!(
+            names(MAX_NAMES + 1).parse::<Policy>(),
+            Err(PolicyError::TooManyNames(MAX_NAMES + 1))
+        );
     }
 
     #[test]

@@ -131,7 +131,7 @@ pub fn fork(
     // The clones get the source's policy (as its waiter last said it, not the snapshot's:
     // its VMM wrote that one); its names must still resolve, or every clone would fail.
     let net = crate::util::lock(&source.view).net_policy.clone();
-    manager.check_names("net", net.as_deref())?;
+    manager.check_names("the source's policy", net.as_deref())?;
     let start = Instant::now();
     let forks = manager.state_dir().join("forks");
     std::fs::create_dir_all(&forks).map_err(io_error("make", &forks))?;

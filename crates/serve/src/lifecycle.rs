@@ -103,11 +103,10 @@ impl Manager {
             )));
         }
         spec.check().map_err(ServeError::BadRequest)?;
-        // A fork's clones take the source's policy, checked once for them all (see `fork.rs`).
+        // A fork's clones take the source's policy, checked once for them all (see `fork.rs`);
+        // a template's, only if it is built (see below).
         if fork.is_none() {
-            let template = spec.template.as_ref().and_then(|t| t.net.as_deref());
-            self.check_names("net", spec.net.as_deref())?;
-            self.check_names("template.net", template)?;
+            self.check_names("\"net\"", spec.net.as_deref())?;
         }
         let dir = self.dir.join("sandboxes").join(name);
         // The path its VMM binds (see files::socket), and the vsock socket beside it, the
@@ -148,6 +147,7 @@ impl Manager {
                 &self.events,
                 template,
                 builder.as_ref().map(|b| b.uid),
+                &|| self.check_names("\"template.net\"", template.net.as_deref()),
             )?);
             // Its NIC gets the policy its create names, never the template's setup's: none
             // (it reaches nothing) unless the create says otherwise. A template without a NIC
@@ -336,19 +336,19 @@ impl Manager {
         Ok(BuildUid { manager: self, uid })
     }
 
-    /// Every name in a policy (`field` of the request: a create's `"net"`, its template's)
-    /// resolves, as its VMM will resolve it (`--net-dns` from `--net-uplink`): 400 with the
-    /// resolver's reason otherwise, before a VMM, a template build or a uid is spent on it.
+    /// Every name in a policy (`field` says which: a create's `"net"`, its template's, a fork
+    /// source's) resolves, as its VMM will resolve it (`--net-dns` from `--net-uplink`),
+    /// before a VMM or a template build is spent on it: 400 with the resolver's answer if a
+    /// name has no IPv4 address, 503 if the resolver did not answer (try again).
     pub(crate) fn check_names(&self, field: &str, net: Option<&str>) -> Result<(), ServeError> {
         // One that does not parse was refused already (`Spec::check`).
         let Some(Ok(policy)) = net.map(str::parse::<mayfly_network::Policy>) else {
             return Ok(());
         };
-        self.net_names.check(&policy).map_err(|e| match e {
-            mayfly_network::NetworkError::Policy(_) => {
-                ServeError::BadRequest(format!("\"{field}\": {e}"))
-            }
-            other => ServeError::Network(other),
+        self.net_names.check(&policy).map_err(|e| match e.fault() {
+            mayfly_network::Fault::Request => ServeError::BadRequest(format!("{field}: {e}")),
+            mayfly_network::Fault::Resolver => ServeError::Busy(format!("{field}: {e}")),
+            mayfly_network::Fault::Host => ServeError::Network(e),
         })
     }
 

@@ -5,8 +5,9 @@
 //! says so, so the listener is there across the sandbox's sleeps and wakes and the manager's
 //! restarts. Each connection to it:
 //!
-//! 1. counts as a request to the sandbox ([`Manager::enter`]): a sleeping sandbox is woken,
-//!    and one with a connection open does not go idle;
+//! 1. is activity of the sandbox ([`Manager::enter_connection`]): a sleeping sandbox is
+//!    woken, and one with a connection open does not go idle; but it is not an API request,
+//!    so connections never crowd out the sandbox's own API (its cap of requests at once);
 //! 2. reaches the guest through its VMM's side of the network: a Unix socket in the
 //!    sandbox's `sock/` directory (`port-N.sock`) that the VMM (unjailed) or its jail's
 //!    waiter (jailed) forwards into the VM's namespace (`PUT /vm/net/expose`), asked for
@@ -14,7 +15,8 @@
 //! 3. is relayed both ways until either side closes.
 //!
 //! Bounds: at most [`MAX_PORTS`] ports per sandbox, [`MAX_CONNECTIONS`] connections at once
-//! per port (more are closed at once); a guest that never answers costs a connection its
+//! per port and [`MAX_SANDBOX_CONNECTIONS`] across a sandbox's ports (more are closed at
+//! once: each holds two relay threads); a guest that never answers costs a connection its
 //! [`GUEST_CONNECT`] wait, not the listener. A listener whose sandbox is gone (deleted,
 //! expired) ends within a second.
 
@@ -40,6 +42,8 @@ use crate::util::lock;
 pub const MAX_PORTS: usize = 16;
 /// Connections at once per exposed port.
 pub const MAX_CONNECTIONS: usize = 64;
+/// Connections at once across all of one sandbox's ports.
+pub const MAX_SANDBOX_CONNECTIONS: usize = 128;
 /// How long a connection waits for the VMM's side to take it.
 const GUEST_CONNECT: Duration = Duration::from_secs(10);
 /// How often a listener looks whether its sandbox is still there.
@@ -434,10 +438,10 @@ fn listen_loop(
         let Some(manager) = manager.upgrade() else {
             return;
         };
-        if target.sandbox(&manager).is_none() {
+        let Some(sandbox) = target.sandbox(&manager) else {
             // Deleted or expired (its delete stops it too): its listener goes with it.
             return;
-        }
+        };
         if !matches!(ready, Ok(n) if n > 0) {
             continue;
         }
@@ -446,22 +450,31 @@ fn listen_loop(
             std::thread::sleep(Duration::from_millis(50));
             continue;
         };
-        if open.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+        if open.load(Ordering::SeqCst) >= MAX_CONNECTIONS
+            || sandbox.connections.load(Ordering::SeqCst) >= MAX_SANDBOX_CONNECTIONS
+        {
             client.shutdown(Shutdown::Both);
             continue;
         }
         open.fetch_add(1, Ordering::SeqCst);
-        let (open, target) = (Arc::clone(open), target.clone());
+        sandbox.connections.fetch_add(1, Ordering::SeqCst);
+        let counted = (Arc::clone(open), Arc::clone(&sandbox));
+        let (open_now, sandbox_now) = (Arc::clone(open), Arc::clone(&sandbox));
+        let target = target.clone();
         let relaying = std::thread::Builder::new()
             .name("port-conn".into())
             .stack_size(mayfly_sys::HELPER_THREAD_STACK)
             .spawn(move || {
                 relay(&manager, &target, client);
-                open.fetch_sub(1, Ordering::SeqCst);
+                counted.0.fetch_sub(1, Ordering::SeqCst);
+                counted.1.connections.fetch_sub(1, Ordering::SeqCst);
             });
-        // Not started: the closure, and the client with it, is dropped (it sees its
-        // connection close), and so is its count.
-        drop(relaying);
+        if relaying.is_err() {
+            // Not started: the closure, and the client with it, is dropped (it sees its
+            // connection close); its counts are given back here.
+            open_now.fetch_sub(1, Ordering::SeqCst);
+            sandbox_now.connections.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 }
 

@@ -288,6 +288,10 @@ impl Manager {
             vmm.kill();
         }
         ended.extend(vmms.end(&socket(&dir), None));
+        // Its memory cgroup: the start's sweep left it while the VMM was in it.
+        if let Some(group) = self.groups.path(&format!("s-{name}")) {
+            crate::cgroup::remove(&group);
+        }
         match std::fs::remove_dir_all(&dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 self.event(
@@ -331,6 +335,12 @@ impl Manager {
                 vmm.kill();
             }
             vmms.end(&socket(&dir), None);
+            if let Some(group) = record
+                .as_ref()
+                .and_then(|r| self.groups.path(&format!("t-{}", r.name)))
+            {
+                crate::cgroup::remove(&group);
+            }
             let _ = std::fs::remove_dir_all(&dir);
             self.event(
                 "template_removed",

@@ -44,6 +44,8 @@ pub struct Sandbox {
     /// The requests among them (API calls, not port connections): what the cap on requests
     /// at once counts, so that connections to its ports never crowd out its API.
     pub requests: AtomicUsize,
+    /// Connections relayed to its exposed ports now, all ports together (see `ports.rs`).
+    pub connections: AtomicUsize,
     /// The idle watch is looking after it (on a thread of its own).
     pub watched: AtomicBool,
     /// The manager's monotonic clock at its last request, in ms since the manager started.
@@ -82,6 +84,7 @@ impl Sandbox {
             inner: Mutex::new(Inner { record, vmm: None }),
             active: AtomicUsize::new(0),
             requests: AtomicUsize::new(0),
+            connections: AtomicUsize::new(0),
             watched: AtomicBool::new(false),
             last_used: AtomicU64::new(now),
         }

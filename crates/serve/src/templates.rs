@@ -62,13 +62,15 @@ impl Templates {
     }
 
     /// The snapshot sandboxes of `template` restore: cached, or built now (once, however many
-    /// ask at once) by a VMM `launcher` starts, jailed as `jail_uid`.
+    /// ask at once) by a VMM `launcher` starts, jailed as `jail_uid`, if `before_build` (what
+    /// only a build needs: its network's names) allows.
     pub fn snapshot_for(
         &self,
         launcher: &Launcher<'_, '_>,
         events: &EventLog,
         template: &Template,
         jail_uid: Option<u32>,
+        before_build: &dyn Fn() -> Result<(), ServeError>,
     ) -> Result<PathBuf, ServeError> {
         let key = template.key(launcher.mayfly);
         let dir = self.dir.join(&key);
@@ -86,6 +88,7 @@ impl Templates {
         }
         // A build that never finished (the manager died under it).
         let _ = std::fs::remove_dir_all(&dir);
+        before_build()?;
         let start = Instant::now();
         let built = build(launcher, template, &key, &dir, jail_uid);
         if let Err(e) = &built {

@@ -307,7 +307,10 @@ impl Controller {
                 // Names are resolved now; a policy that cannot be applied leaves the old one.
                 Some(VmNet::Own(network)) => match network.set_policy(policy) {
                     Ok(()) => (Reply::ok(network.describe()), None),
-                    Err(e) => (Reply::error(400, e.to_string()), None),
+                    Err(e) => (
+                        Reply::error(crate::outside::policy_status(&e), e.to_string()),
+                        None,
+                    ),
                 },
                 Some(VmNet::Kept(_)) => (Reply::error(409, KEPT_OUTSIDE), None),
                 None => (Reply::error(404, NO_NIC), None),

@@ -154,12 +154,12 @@ fn answer(calls: &Receiver<ApiCall>, keeper: &Keeper) {
 }
 
 /// A policy that cannot be applied: the request's fault (400: it names nothing resolvable,
-/// or only what no VM reaches), or the host's (500).
-fn policy_status(e: &mayfly_network::NetworkError) -> u16 {
-    use mayfly_network::NetworkError as E;
-    match e {
-        E::Policy(_) | E::BadNet { .. } | E::BadReach(_) => 400,
-        _ => 500,
+/// or only what no VM reaches), the resolver's (503: try again), or the host's (500).
+pub(crate) fn policy_status(e: &mayfly_network::NetworkError) -> u16 {
+    match e.fault() {
+        mayfly_network::Fault::Request => 400,
+        mayfly_network::Fault::Resolver => 503,
+        mayfly_network::Fault::Host => 500,
     }
 }
 
