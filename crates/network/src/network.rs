@@ -591,7 +591,7 @@ pub struct Names {
 
 impl Names {
     /// Every name in `policy` resolves to an IPv4 address, or the first that does not, with
-    /// the resolver's reason ([`PolicyError::Unresolvable`]). A policy without names costs
+    /// the resolver's reason ([`crate::PolicyError::Unresolvable`]). A policy without names costs
     /// nothing. Whether a VM may reach those addresses is the VMM's check, when it applies
     /// the policy.
     pub fn check(&self, policy: &Policy) -> Result<()> {
