@@ -18,7 +18,7 @@ pub fn uplink() -> (File, String) {
     })
     .join()
     .expect("the namespace thread");
-    let path = format!("/proc/{}/fd/{}", std::process::id(), ns.as_raw_fd());
+    let path = path_of(&ns);
     (ns, path)
 }
 
@@ -142,7 +142,9 @@ impl Internet {
     }
 }
 
-fn path_of(ns: &File) -> String {
+/// A path that names the namespace `ns` while this process holds it open (what
+/// `--net-uplink` is given).
+pub fn path_of(ns: &File) -> String {
     format!("/proc/{}/fd/{}", std::process::id(), ns.as_raw_fd())
 }
 

@@ -13,7 +13,6 @@
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -58,7 +57,7 @@ impl Uplink {
 
     /// The path mayfly is given as `--net-uplink` (valid while this test runs).
     fn path(&self) -> String {
-        format!("/proc/{}/fd/{}", std::process::id(), self.ns.as_raw_fd())
+        mayfly_tests::netns::path_of(&self.ns)
     }
 
     /// Run `tool args...` in the uplink namespace.

@@ -46,6 +46,29 @@ fn guest_credential(m: &Manager, token: &str, name: &str) -> String {
     }
 }
 
+/// Fork `name` into `count` through the manager: each clone's name and token.
+fn fork(m: &Manager, name: &str, count: usize) -> Vec<(String, String)> {
+    let (status, forked) = m.admin(
+        "POST",
+        &format!("/sandboxes/{name}/fork"),
+        Some(json!({ "count": count })),
+    );
+    assert_eq!(status, 201, "{forked}");
+    let clones: Vec<(String, String)> = forked["clones"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["name"].as_str().unwrap().to_string(),
+                c["token"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(clones.len(), count, "{forked}");
+    clones
+}
+
 fn verify(m: &Manager, credential: &str) -> Value {
     let (status, body) = m.admin(
         "POST",
@@ -319,20 +342,7 @@ fn a_jailed_networked_sandbox_forks_into_three_each_with_its_own_network_uid_and
     wait_agent(&sock, BOOT_TIMEOUT);
     let (code, _) = shell(&m, &token, "src", "echo source > /root/mark");
     assert_eq!(code, 0);
-    let (status, forked) = m.admin("POST", "/sandboxes/src/fork", Some(json!({"count": 3})));
-    assert_eq!(status, 201, "{forked}");
-    let clones: Vec<(String, String)> = forked["clones"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| {
-            (
-                c["name"].as_str().unwrap().to_string(),
-                c["token"].as_str().unwrap().to_string(),
-            )
-        })
-        .collect();
-    assert_eq!(clones.len(), 3);
+    let clones = fork(&m, "src", 3);
     let mut macs = std::collections::BTreeSet::new();
     let mut outside = std::collections::BTreeSet::new();
     let mut uids = std::collections::BTreeSet::new();
@@ -539,20 +549,7 @@ fn the_seeds_trace_pip_install_behind_an_allowlist_then_a_fork_into_three_fixes(
     assert_eq!(result, json!({"passed": 0, "failed": 2}));
 
     // 4. Fork into 3, a fix in each.
-    let (status, forked) = m.admin("POST", "/sandboxes/agent/fork", Some(json!({"count": 3})));
-    assert_eq!(status, 201, "{forked}");
-    let clones: Vec<(String, String)> = forked["clones"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| {
-            (
-                c["name"].as_str().unwrap().to_string(),
-                c["token"].as_str().unwrap().to_string(),
-            )
-        })
-        .collect();
-    assert_eq!(clones.len(), 3);
+    let clones = fork(&m, "agent", 3);
     let mut verdicts = Vec::new();
     for ((name, token), fix) in clones.iter().zip(FIXES) {
         let apply = format!(

@@ -272,41 +272,12 @@ fn a_kill_mid_fork_undoes_every_clone_and_leaves_the_source_as_it_was() {
     leave(m);
 
     let mut m = manager(&dir, 1_732_000, Some("after-clone:5"));
-    // Six clones, made four at a time: killed once the fifth is made (the first four made,
-    // the sixth perhaps part-way).
-    crash_on(
-        &mut m,
-        "POST",
-        "/sandboxes/src/fork",
-        Some(json!({"count": 6})),
-    );
-    let clones = ["src-1", "src-2", "src-3", "src-4", "src-5", "src-6"];
-    // The window was hit: five clones at least were made (records, running VMMs).
-    let made: Vec<Value> = clones.iter().filter_map(|c| record(&m, c)).collect();
-    assert!(
-        made.iter().filter(|r| r["state"] == "running").count() >= 5,
-        "{made:?}"
-    );
+    let (clones, made) = crash_mid_fork(&mut m, "src");
     let uids: Vec<u64> = made.iter().filter_map(|r| r["uid"].as_u64()).collect();
     leave(m);
 
     let m = manager(&dir, 1_732_000, None);
-    assert_eq!(
-        listed(&m),
-        ["src"],
-        "a clone of the unfinished fork is listed"
-    );
-    for clone in clones {
-        assert_eq!(vmms_on(&socket_of(&m, clone)), Vec::<u32>::new(), "{clone}");
-        assert!(!sandbox_dir(&m, clone).exists(), "{clone}'s directory");
-    }
-    for uid in uids {
-        assert_eq!(
-            running_as(uid),
-            Vec::<String>::new(),
-            "uid {uid} still runs"
-        );
-    }
+    assert_fork_undone(&m, "src", &clones, &uids);
     assert_consistent(&m);
     assert_eq!(m.events("fork_undone", "src"), 1);
     // The source was running: it runs (it slept for the fork's snapshot and woke).
@@ -330,6 +301,47 @@ fn a_kill_mid_fork_undoes_every_clone_and_leaves_the_source_as_it_was() {
         );
     }
     assert_consistent(&m);
+}
+
+/// Fork `source` into six through `m`, started with `--crash-at after-clone:5`: the clones are
+/// made four at a time, so it is killed once the fifth is made (the first four made, the sixth
+/// perhaps part-way). The clones' names, and the records of those made: five at least, each
+/// with a running VMM (the window was hit).
+fn crash_mid_fork(m: &mut Manager, source: &str) -> (Vec<String>, Vec<Value>) {
+    crash_on(
+        m,
+        "POST",
+        &format!("/sandboxes/{source}/fork"),
+        Some(json!({"count": 6})),
+    );
+    let clones: Vec<String> = (1..=6).map(|i| format!("{source}-{i}")).collect();
+    let made: Vec<Value> = clones.iter().filter_map(|c| record(m, c)).collect();
+    assert!(
+        made.iter().filter(|r| r["state"] == "running").count() >= 5,
+        "{made:?}"
+    );
+    (clones, made)
+}
+
+/// After the restart that follows [`crash_mid_fork`]: only `source` is listed, and no clone
+/// has a VMM or a directory, nor its uid a process.
+fn assert_fork_undone(m: &Manager, source: &str, clones: &[String], uids: &[u64]) {
+    assert_eq!(
+        listed(m),
+        [source],
+        "a clone of the unfinished fork is listed"
+    );
+    for clone in clones {
+        assert_eq!(vmms_on(&socket_of(m, clone)), Vec::<u32>::new(), "{clone}");
+        assert!(!sandbox_dir(m, clone).exists(), "{clone}'s directory");
+    }
+    for uid in uids {
+        assert_eq!(
+            running_as(*uid),
+            Vec::<String>::new(),
+            "uid {uid} still runs"
+        );
+    }
 }
 
 /// The memory cgroup of process `pid`, if it is one of a manager's (under `mayfly-serve`).
@@ -368,20 +380,7 @@ fn a_kill_mid_fork_of_a_networked_sandbox_leaves_no_clone_network_cgroup_or_uid(
     leave(m);
 
     let mut m = manager_with(&dir, 1_733_000, Some("after-clone:5"), &net_args);
-    crash_on(
-        &mut m,
-        "POST",
-        "/sandboxes/netsrc/fork",
-        Some(json!({"count": 6})),
-    );
-    let clones = [
-        "netsrc-1", "netsrc-2", "netsrc-3", "netsrc-4", "netsrc-5", "netsrc-6",
-    ];
-    let made: Vec<Value> = clones.iter().filter_map(|c| record(&m, c)).collect();
-    assert!(
-        made.iter().filter(|r| r["state"] == "running").count() >= 5,
-        "{made:?}"
-    );
+    let (clones, made) = crash_mid_fork(&mut m, "netsrc");
     let uids: Vec<u64> = made.iter().filter_map(|r| r["uid"].as_u64()).collect();
     // Their VMMs' memory cgroups (the manager's: under mayfly-serve), there now.
     let groups: Vec<PathBuf> = made
@@ -402,18 +401,7 @@ fn a_kill_mid_fork_of_a_networked_sandbox_leaves_no_clone_network_cgroup_or_uid(
     leave(m);
 
     let m = manager_with(&dir, 1_733_000, None, &net_args);
-    assert_eq!(listed(&m), ["netsrc"]);
-    for clone in clones {
-        assert_eq!(vmms_on(&socket_of(&m, clone)), Vec::<u32>::new(), "{clone}");
-        assert!(!sandbox_dir(&m, clone).exists(), "{clone}'s directory");
-    }
-    for uid in uids {
-        assert_eq!(
-            running_as(uid),
-            Vec::<String>::new(),
-            "uid {uid} still runs"
-        );
-    }
+    assert_fork_undone(&m, "netsrc", &clones, &uids);
     // A veth goes when the last process holding its namespace does: give the kernel a moment.
     let deadline = Instant::now() + Duration::from_secs(10);
     let src_link = {

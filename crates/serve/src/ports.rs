@@ -456,25 +456,42 @@ fn listen_loop(
             client.shutdown(Shutdown::Both);
             continue;
         }
-        open.fetch_add(1, Ordering::SeqCst);
-        sandbox.connections.fetch_add(1, Ordering::SeqCst);
-        let counted = (Arc::clone(open), Arc::clone(&sandbox));
-        let (open_now, sandbox_now) = (Arc::clone(open), Arc::clone(&sandbox));
+        let counted = Counted::take(open, sandbox);
         let target = target.clone();
         let relaying = std::thread::Builder::new()
             .name("port-conn".into())
             .stack_size(mayfly_sys::HELPER_THREAD_STACK)
             .spawn(move || {
+                let _counted = counted;
                 relay(&manager, &target, client);
-                counted.0.fetch_sub(1, Ordering::SeqCst);
-                counted.1.connections.fetch_sub(1, Ordering::SeqCst);
             });
-        if relaying.is_err() {
-            // Not started: the closure, and the client with it, is dropped (it sees its
-            // connection close); its counts are given back here.
-            open_now.fetch_sub(1, Ordering::SeqCst);
-            sandbox_now.connections.fetch_sub(1, Ordering::SeqCst);
+        // Not started: the closure, and the client and the counts with it, is dropped (it
+        // sees its connection close; the counts are given back).
+        drop(relaying);
+    }
+}
+
+/// One connection counted, on its port and on its sandbox, until dropped.
+struct Counted {
+    port: Arc<AtomicUsize>,
+    sandbox: Arc<Sandbox>,
+}
+
+impl Counted {
+    fn take(port: &Arc<AtomicUsize>, sandbox: Arc<Sandbox>) -> Counted {
+        port.fetch_add(1, Ordering::SeqCst);
+        sandbox.connections.fetch_add(1, Ordering::SeqCst);
+        Counted {
+            port: Arc::clone(port),
+            sandbox,
         }
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.port.fetch_sub(1, Ordering::SeqCst);
+        self.sandbox.connections.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
