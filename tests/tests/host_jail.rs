@@ -32,6 +32,11 @@ fn namespace(pid: &str, kind: &str) -> PathBuf {
 }
 
 /// The jailed VMM's pid on the host and its jail, from its control socket.
+/// The jail waiter's socket beside a VM's control socket.
+fn net_socket(sock: &Path) -> PathBuf {
+    PathBuf::from(format!("{}.net", sock.display()))
+}
+
 fn jail_of(sock: &Path) -> (u32, serde_json::Value) {
     let (status, vm) = request(sock, "GET", "/vm", None);
     assert_eq!(status, 200, "{vm}");
@@ -149,7 +154,7 @@ fn a_jailed_vmm_runs_unprivileged_alone_in_its_root_and_its_vm_snapshots_and_res
         Some(serde_json::json!({ "path": snap })),
     );
     assert_eq!(status, 200, "{body}");
-    // A fork is refused, in words.
+    // A fork on its own socket is refused, in words that say how to fork it.
     let (status, body) = request(
         &sock,
         "PUT",
@@ -157,7 +162,10 @@ fn a_jailed_vmm_runs_unprivileged_alone_in_its_root_and_its_vm_snapshots_and_res
         Some(serde_json::json!({ "count": 1 })),
     );
     assert_eq!(status, 409, "{body}");
-    assert!(body["error"].as_str().unwrap().contains("jailed"), "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("mayfly fork"),
+        "{body}"
+    );
     let (status, body) = request(&sock, "PUT", "/vm/shutdown", None);
     assert_eq!(status, 204, "{body}");
     assert!(guest.wait_exit(Duration::from_secs(30)).success());
@@ -195,6 +203,184 @@ fn a_jailed_vmm_runs_unprivileged_alone_in_its_root_and_its_vm_snapshots_and_res
     // Every jail is gone with its VMM.
     let left: Vec<_> = std::fs::read_dir(dir.join("jails")).unwrap().collect();
     assert!(left.is_empty(), "jails left behind: {left:?}");
+}
+
+/// The probe's first report in a clone's console log that it resumed: its VM generation ID.
+fn resumed_generation(log: &Path) -> u64 {
+    let deadline = std::time::Instant::now() + probe::TIMEOUT;
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(r) = probe::reports(&text).into_iter().find(|r| r.0 == "resumed") {
+            return r.1;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} never reported: {text}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn wait_gone(path: &Path, what: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while path.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} {} left behind",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_jailed_vm_forks_from_outside_into_clones_each_in_a_jail_of_its_own() {
+    let dir = TestDir::new("jail-fork");
+    let snaps = shared_dir(&dir, "snaps");
+    let sock = dir.join("p.sock");
+    let mut parent = probe::boot_with(
+        64,
+        &sock,
+        "p",
+        &[
+            "--jail",
+            "--jail-dir",
+            &dir.arg("jails"),
+            "--jail-share",
+            &snaps.to_string_lossy(),
+        ],
+    );
+    let (parent_pid, parent_jail) = jail_of(&sock);
+
+    let out = mayfly_output(
+        &["fork", "--sock", &sock.to_string_lossy(), "--count", "3"],
+        Duration::from_secs(120),
+    );
+    assert!(
+        out.status.success(),
+        "mayfly fork of a jailed VM: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let clones = report["clones"].as_array().unwrap();
+    assert_eq!(clones.len(), 3, "{report}");
+    // The parent ran on: paused only while its state was captured.
+    let (status, vm) = request(&sock, "GET", "/vm", None);
+    assert_eq!(
+        (status, vm["state"].as_str()),
+        (200, Some("running")),
+        "{vm}"
+    );
+
+    let mut seen = Vec::new();
+    let mut generations = Vec::new();
+    for clone in clones {
+        let name = clone["name"].as_str().unwrap();
+        let clone_sock = PathBuf::from(clone["api_sock"].as_str().unwrap());
+        let (pid, jail) = jail_of(&clone_sock);
+        assert_eq!(clone["pid"].as_u64(), Some(u64::from(pid)), "{clone}");
+        let (_, vm) = request(&clone_sock, "GET", "/vm", None);
+        assert_eq!(vm["name"], name, "{vm}");
+        assert_eq!(vm["origin"], "fork of p", "{vm}");
+        // Unprivileged as its parent is, PID 1 of a namespace of its own.
+        assert_eq!(
+            status_field(pid, "Uid"),
+            format!("{NOBODY}\t{NOBODY}\t{NOBODY}\t{NOBODY}")
+        );
+        assert_eq!(status_field(pid, "CapEff"), "0000000000000000");
+        assert_eq!(status_field(pid, "NoNewPrivs"), "1");
+        assert_eq!(status_field(pid, "NSpid"), format!("{pid}\t1"));
+        // Its namespaces are its own: not the host's, not its parent's, not a sibling's.
+        for kind in ["mnt", "pid", "net", "ipc", "uts"] {
+            let own = namespace(&pid.to_string(), kind);
+            assert_ne!(
+                own,
+                namespace("self", kind),
+                "{name} shares the host's {kind}"
+            );
+            assert_ne!(
+                own,
+                namespace(&parent_pid.to_string(), kind),
+                "{name} shares its parent's {kind}"
+            );
+            seen.push((kind, own));
+        }
+        // A root of its own, and a cgroup holding it alone.
+        assert_ne!(jail["dir"], parent_jail["dir"]);
+        let root = PathBuf::from(format!("/proc/{pid}/root"));
+        assert!(!root.join("etc").exists() && !root.join("dev").exists());
+        if let Some(cgroup) = jail["cgroup"].as_str() {
+            let read = |file: &str| std::fs::read_to_string(Path::new(cgroup).join(file));
+            assert_eq!(
+                read("cgroup.procs").unwrap().trim(),
+                pid.to_string(),
+                "{cgroup}"
+            );
+            // Its parent's limits, as the parent's cgroup has them (where the cgroup v2
+            // hierarchy offers the controller).
+            let parent_cgroup = Path::new(parent_jail["cgroup"].as_str().unwrap());
+            for file in ["memory.max", "pids.max", "cpu.max"] {
+                if let Ok(max) = read(file) {
+                    let parents = std::fs::read_to_string(parent_cgroup.join(file)).unwrap();
+                    assert_eq!(max, parents, "{cgroup}/{file}");
+                }
+            }
+        }
+        // Its guest runs, restored from the parent with a generation of its own.
+        generations.push(resumed_generation(Path::new(
+            clone["console_log"].as_str().unwrap(),
+        )));
+    }
+    let kinds = seen.len();
+    seen.sort();
+    seen.dedup();
+    assert_eq!(seen.len(), kinds, "two clones share a namespace");
+    generations.sort();
+    generations.dedup();
+    assert_eq!(
+        generations.len(),
+        3,
+        "every clone has its own generation ID"
+    );
+
+    // A clone shut down takes its jail, cgroup and sockets along, and no one else.
+    let first = &clones[0];
+    let first_sock = PathBuf::from(first["api_sock"].as_str().unwrap());
+    let (_, first_jail) = jail_of(&first_sock);
+    let (status, body) = request(&first_sock, "PUT", "/vm/shutdown", None);
+    assert_eq!(status, 204, "{body}");
+    wait_gone(
+        Path::new(first_jail["dir"].as_str().unwrap()),
+        "a clone's jail",
+    );
+    if let Some(cgroup) = first_jail["cgroup"].as_str() {
+        wait_gone(Path::new(cgroup), "a clone's cgroup");
+    }
+    wait_gone(&first_sock, "a clone's socket");
+    for clone in &clones[1..] {
+        let clone_sock = PathBuf::from(clone["api_sock"].as_str().unwrap());
+        assert_eq!(request(&clone_sock, "GET", "/vm", None).0, 200);
+        let (status, body) = request(&clone_sock, "PUT", "/vm/shutdown", None);
+        assert_eq!(status, 204, "{body}");
+        wait_gone(&clone_sock, "a clone's socket");
+    }
+    let (status, body) = request(&sock, "PUT", "/vm/shutdown", None);
+    assert_eq!(status, 204, "{body}");
+    assert!(parent.wait_exit(Duration::from_secs(30)).success());
+    let jails = dir.join("jails");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let left: Vec<_> = std::fs::read_dir(&jails).unwrap().collect();
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "jails left behind: {left:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
@@ -452,6 +638,71 @@ fn a_jailed_vm_has_a_nic_whose_network_its_waiter_keeps_and_only_root_changes() 
         (status, net["policy"].as_str()),
         (200, Some("allow=198.51.100.0/24"))
     );
+    // A fork (from outside, as root) gives each clone a jail, a network, a MAC and an
+    // outside address of its own, kept by its own waiter, with its parent's policy.
+    let out = mayfly_tests::guest::mayfly_ok(&[
+        "fork",
+        "--sock",
+        &sock.to_string_lossy(),
+        "--count",
+        "2",
+    ]);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let mut addresses = vec![net["outside_ip"].as_str().unwrap().to_string()];
+    let mut macs = vec![net["guest"]["mac"].as_str().unwrap().to_string()];
+    let mut links = vec![host_link.clone()];
+    for clone in report["clones"].as_array().unwrap() {
+        let clone_sock = PathBuf::from(clone["api_sock"].as_str().unwrap());
+        let (clone_pid, _) = jail_of(&clone_sock);
+        assert_ne!(
+            namespace(&clone_pid.to_string(), "net"),
+            namespace(&pid.to_string(), "net")
+        );
+        let (status, clone_net) = request(&clone_sock, "GET", "/vm/net", None);
+        assert_eq!(status, 200, "{clone_net}");
+        assert_eq!(clone_net["policy"], "allow=198.51.100.0/24", "{clone_net}");
+        addresses.push(clone_net["outside_ip"].as_str().unwrap().to_string());
+        macs.push(clone_net["guest"]["mac"].as_str().unwrap().to_string());
+        let link = clone_net["host_link"]["name"].as_str().unwrap().to_string();
+        assert!(links_in(&uplink_ns).contains(&link), "{clone_net}");
+        links.push(link);
+        // Its policy is its own waiter's to change, at its own .net socket.
+        let clone_kept = net_socket(&clone_sock);
+        let (status, body) = request(
+            &clone_kept,
+            "PUT",
+            "/vm/net/policy",
+            Some(serde_json::json!({ "policy": "none" })),
+        );
+        assert_eq!(
+            (status, body["policy"].as_str()),
+            (200, Some("none")),
+            "{body}"
+        );
+        let (status, body) = request(&clone_sock, "PUT", "/vm/shutdown", None);
+        assert_eq!(status, 204, "{body}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while clone_kept.exists() || links_in(&uplink_ns).contains(links.last().unwrap()) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a clone's network outlived it"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    for list in [&mut addresses, &mut macs, &mut links] {
+        let all = list.len();
+        list.sort();
+        list.dedup();
+        assert_eq!(list.len(), all, "parent and clones share one: {list:?}");
+    }
+    // The parent's policy is as it was.
+    let (status, net) = request(&sock, "GET", "/vm/net", None);
+    assert_eq!(
+        (status, net["policy"].as_str()),
+        (200, Some("allow=198.51.100.0/24"))
+    );
+
     // What the waiter's socket is not for, it says.
     let (status, body) = request(&kept, "PUT", "/vm/pause", None);
     assert_eq!(status, 404, "{body}");

@@ -25,6 +25,13 @@ pub enum Action {
     /// default false)}. `count` is at most [`MAX_FORK_COUNT`]; whether 0 makes sense is the
     /// VM's call.
     Fork(ForkRequest),
+    /// PUT /vm/fork/capture  body as [`Action::Fork`]: the first half of a fork made from
+    /// outside the VMM, for a jailed VM (its clones need jails of their own, which only root
+    /// outside can make): pause, capture the state and freeze the memory, and hold both as
+    /// descriptors that root takes from this process (pidfd_getfd) by the numbers answered.
+    ForkCapture(ForkRequest),
+    /// PUT /vm/fork/release: let go of what the last capture holds.
+    ForkCaptureRelease,
     /// PUT /vm/shutdown
     Shutdown,
     /// GET /vm/net: the NIC's network (policy, addresses, counters).

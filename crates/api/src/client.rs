@@ -33,6 +33,42 @@ pub fn request_with_timeout(
     body: Option<&Value>,
     timeout: Duration,
 ) -> Result<(u16, Value), ApiError> {
+    exchange(socket, method, path, body, timeout, None)
+}
+
+/// [`request`], and a pidfd of the process that serves the socket, as the kernel says it
+/// (SO_PEERCRED, taken once connected): what is asked of that process is asked of the one
+/// that answers, whatever its answer says it is.
+pub fn request_with_server(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> Result<(u16, Value, std::os::fd::OwnedFd), ApiError> {
+    let mut server = None;
+    let (status, value) = exchange(socket, method, path, body, TIMEOUT, Some(&mut server))?;
+    let server = server.ok_or_else(|| ApiError::InvalidResponse {
+        path: socket.display().to_string(),
+        reason: "the process serving it cannot be named".into(),
+    })?;
+    Ok((status, value, server))
+}
+
+/// Its process, by pidfd (see [`request_with_server`]).
+fn server_of(stream: &std::os::unix::net::UnixStream) -> std::io::Result<std::os::fd::OwnedFd> {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    let credentials = getsockopt(stream, PeerCredentials).map_err(std::io::Error::from)?;
+    mayfly_sys::pidfd::open(credentials.pid())
+}
+
+fn exchange(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    timeout: Duration,
+    server: Option<&mut Option<std::os::fd::OwnedFd>>,
+) -> Result<(u16, Value), ApiError> {
     if !http::is_token(method) {
         return Err(ApiError::InvalidRequest(format!(
             "{method:?} is not an HTTP method"
@@ -75,6 +111,9 @@ pub fn request_with_timeout(
         },
     })?;
     let deadline = http::deadline(timeout);
+    if let Some(server) = server {
+        *server = Some(server_of(&stream).map_err(io_error)?);
+    }
 
     let body = body
         .map(serde_json::to_vec)

@@ -8,6 +8,8 @@
 //! | `PUT /vm/resume`    | none                                                  | [`Action::Resume`]    |
 //! | `PUT /vm/snapshot`  | `{"path": "/some/dir", "diff": true}`                 | [`Action::Snapshot`]  |
 //! | `PUT /vm/fork`      | `{"count": N, "name_prefix": "s", "parent": "paused", "overcommit": true}`| [`Action::Fork`]      |
+//! | `PUT /vm/fork/capture` | as `PUT /vm/fork` (a jailed VM, forked from outside) | [`Action::ForkCapture`] |
+//! | `PUT /vm/fork/release` | none                                               | [`Action::ForkCaptureRelease`] |
 //! | `PUT /vm/shutdown`  | none                                                  | [`Action::Shutdown`]  |
 //! | `GET /vm/net`       | none                                                  | [`Action::Net`]       |
 //! | `PUT /vm/net/policy`| `{"policy": "allow=192.0.2.0/24:443"}`                | [`Action::NetPolicy`] |
@@ -44,7 +46,7 @@ pub mod route;
 pub mod server;
 
 pub use action::{Action, ApiCall, ForkRequest, FORK_READY_TIMEOUT, MAX_FORK_COUNT};
-pub use client::{request, request_with_timeout};
+pub use client::{request, request_with_server, request_with_timeout};
 pub use error::ApiError;
 pub use guest::{check_exec_body, GuestRoutes};
 pub use reply::{Delivery, Reply, UntilWritten};

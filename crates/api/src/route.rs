@@ -58,6 +58,19 @@ const ROUTES: &[Route] = &[
     },
     Route {
         method: "PUT",
+        path: "/vm/fork/capture",
+        parse: |endpoint, body| match parse_fork(endpoint, body)? {
+            Action::Fork(request) => Ok(Action::ForkCapture(request)),
+            other => Ok(other),
+        },
+    },
+    Route {
+        method: "PUT",
+        path: "/vm/fork/release",
+        parse: |endpoint, body| no_body(endpoint, body).map(|()| Action::ForkCaptureRelease),
+    },
+    Route {
+        method: "PUT",
         path: "/vm/shutdown",
         parse: |endpoint, body| no_body(endpoint, body).map(|()| Action::Shutdown),
     },

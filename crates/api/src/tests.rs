@@ -58,6 +58,8 @@ fn answer(action: &Action) -> Reply {
         Action::Snapshot { path, .. } => Reply::ok(json!({ "path": path })),
         Action::Fork(ForkRequest { count: 0, .. }) => Reply::error(400, "count must be at least 1"),
         Action::Fork(ForkRequest { count, .. }) => Reply::ok(json!({ "clones": count })),
+        Action::ForkCapture(ForkRequest { count, .. }) => Reply::ok(json!({ "count": count })),
+        Action::ForkCaptureRelease => Reply::no_content(),
         Action::Net => Reply::ok(json!({"policy": "open"})),
         Action::NetPolicy(policy) => Reply::ok(json!({ "policy": policy.to_string() })),
         Action::NetExpose { port, .. } => Reply::ok(json!({ "guest_port": port })),
@@ -278,6 +280,25 @@ fn every_action_makes_the_round_trip() {
             }),
             200,
         ),
+        (
+            "PUT",
+            "/vm/fork/capture",
+            Some(json!({"count": 2, "name_prefix": "web", "parent": "paused"})),
+            Action::ForkCapture(ForkRequest {
+                count: 2,
+                name_prefix: Some("web".into()),
+                parent_paused: true,
+                overcommit: false,
+            }),
+            200,
+        ),
+        (
+            "PUT",
+            "/vm/fork/release",
+            None,
+            Action::ForkCaptureRelease,
+            204,
+        ),
         ("GET", "/vm/net", None, Action::Net, 200),
         (
             "PUT",
@@ -437,6 +458,13 @@ fn wrong_methods_get_405_with_allow() {
         f.error("DELETE", "/vm/fork", None, 405),
         "DELETE /vm/fork is not supported: use PUT /vm/fork"
     );
+    // A capture needs its count, as a fork does; letting go of one takes no body.
+    assert!(f
+        .error("PUT", "/vm/fork/capture", Some(json!({})), 400)
+        .contains("\"count\""));
+    f.error("PUT", "/vm/fork/release", Some(json!({"count": 1})), 400);
+    let r = f.raw(b"GET /vm/fork/capture HTTP/1.1\r\n\r\n");
+    assert_eq!((r.status, r.header("Allow")), (405, Some("PUT")));
     // The guest's routes too, listing every method the path serves.
     let r = f.raw(b"PATCH /vm/files?path=%2Fx HTTP/1.1\r\n\r\n");
     assert_eq!(

@@ -479,8 +479,8 @@ pub(crate) struct JailArgs {
     /// Run the VMM jailed: in mount, PID, network, IPC and UTS namespaces and a cgroup v2 of
     /// its own, and, before the guest runs, shut into an empty root holding only what the VM
     /// still opens (its disk directory, its vsock socket's directory, --jail-share
-    /// directories), as --jail-uid with no capabilities. Needs root. A jailed VM has no NIC
-    /// and cannot be forked yet.
+    /// directories), as --jail-uid with no capabilities. Needs root. `mayfly fork` (as root)
+    /// forks a jailed VM into clones each in a jail of its own.
     #[arg(long)]
     pub(crate) jail: bool,
     /// Where the jail's directory is made (removed when the VMM ends).

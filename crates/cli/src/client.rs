@@ -83,8 +83,19 @@ pub(crate) fn snapshot(args: SnapshotArgs) -> ExitCode {
     code
 }
 
-/// `mayfly fork`: `PUT /vm/fork`.
+/// `mayfly fork`: `PUT /vm/fork`; a jailed VM is forked from here instead (each clone needs a
+/// jail of its own, which only root outside the VM's can make: see
+/// `mayfly_vmm::persist::fork::fork_from_outside`).
 pub(crate) fn fork(args: ForkArgs) -> ExitCode {
+    let sock = &args.sock.sock;
+    let jailed = match mayfly_api::request(sock, "GET", "/vm", None) {
+        Ok((200, vm)) => !vm["jail"].is_null(),
+        Ok((status, answer)) => return fail(format!("the VM answered HTTP {status}: {answer}")),
+        Err(err) => return fail(err),
+    };
+    if jailed {
+        return fork_jailed(&args);
+    }
     let request = ForkBody {
         count: Some(Count(args.count)),
         name_prefix: args.name_prefix,
@@ -96,6 +107,45 @@ pub(crate) fn fork(args: ForkArgs) -> ExitCode {
         overcommit: Some(args.overcommit),
     };
     client(&args.sock.sock, "PUT", "/vm/fork", Some(body(&request)))
+}
+
+/// `mayfly fork` of a jailed VM: its clones are made by this process, each in a jail of its
+/// own, and run once their list is printed.
+fn fork_jailed(args: &ForkArgs) -> ExitCode {
+    if !nix::unistd::Uid::effective().is_root() {
+        return fail(
+            "the VM is jailed: each of its clones is made a jail of its own, which needs root; \
+             run mayfly fork as root",
+        );
+    }
+    let request = mayfly_api::ForkRequest {
+        count: args.count,
+        name_prefix: args.name_prefix.clone(),
+        parent_paused: args.keep_paused,
+        overcommit: args.overcommit,
+    };
+    let sock = std::path::absolute(&args.sock.sock).unwrap_or(args.sock.sock.clone());
+    match mayfly_vmm::persist::fork::fork_from_outside(&sock, &request) {
+        Ok(report) => {
+            let printed = serde_json::to_string_pretty(&report)
+                .map_err(std::io::Error::other)
+                .and_then(|text| {
+                    use std::io::Write;
+                    let mut out = std::io::stdout().lock();
+                    writeln!(out, "{text}")?;
+                    out.flush()
+                });
+            match printed {
+                // The clones run once their list is out (see zygote::Release).
+                Ok(()) => {
+                    report.release.delivered();
+                    ExitCode::SUCCESS
+                }
+                Err(err) => fail(format!("cannot print the fork's clones ({err}); they stop")),
+            }
+        }
+        Err(err) => fail(err),
+    }
 }
 
 /// `mayfly net`: the VM's network, a new egress policy, or a guest port exposed.

@@ -28,8 +28,9 @@
 //!
 //! A jailed VM's NIC: its network namespace and nftables rules are made and changed as the
 //! host's root, so the waiter keeps them ([`OutsideWork`], `mayfly_network::keeper`); the VMM
-//! holds only the tap. Not yet in a jail: forks of a jailed VM (each clone would need a jail
-//! of its own, made outside the parent's), refused with an error that says so.
+//! holds only the tap. A fork of a jailed VM is made from outside it (each clone needs a jail
+//! of its own, which only root outside can make): each clone calls [`enter`] itself, in the
+//! zygote's child, with its parent's [`JailConfig`] (see `mayfly_vmm::persist::fork`).
 
 use std::ffi::CString;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -58,8 +59,10 @@ const FORWARDED: [Signal; 4] = [
     Signal::SIGUSR1,
 ];
 
-/// What `--jail` and its options asked for.
-#[derive(Clone, Debug)]
+/// What `--jail` and its options asked for (a fork's clones get their parent's, in their
+/// zygote's messages).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct JailConfig {
     /// Jails are made under it: `<dir>/<name>-<pid>/`.
     pub dir: PathBuf,
@@ -92,6 +95,8 @@ pub enum JailError {
     BadLimit { option: &'static str },
     #[error("{0}")]
     Cgroup(String),
+    #[error("{0}: it cannot be forked as a jailed VM")]
+    NotJailed(String),
     #[error("cannot {what}: {source}")]
     Sys { what: String, source: nix::Error },
     #[error("cannot {what} {path}: {source}")]
@@ -164,6 +169,11 @@ impl Jail {
     /// The channel to the work the waiter does outside the jail, if any.
     pub fn outside(&self) -> Option<&std::os::unix::net::UnixDatagram> {
         self.outside.as_ref()
+    }
+
+    /// What this jail was made with.
+    pub fn config(&self) -> &JailConfig {
+        &self.config
     }
 
     /// What the control socket says of the jail.
@@ -402,6 +412,85 @@ pub fn enter(
             Ok(())
         }
     }
+}
+
+/// The jail of the running jailed VMM `pid` as the kernel says it, for its clones: a VMM
+/// its guest took over could say anything of itself, so only what the kernel shows is taken.
+/// Its uid and gid from its status; its limits from its cgroup; the directory its jails go in
+/// only if it holds this VMM's (a directory of root's named for its waiter's pid), since
+/// a new jail clears dead ones there; the shares it names (a clone's jail checks that its uid
+/// may write each, as any jail's does).
+pub fn config_of(pid: u32, claimed: &JailConfig) -> Result<JailConfig, JailError> {
+    use std::os::unix::fs::MetadataExt;
+    let status_path = PathBuf::from(format!("/proc/{pid}/status"));
+    let status = std::fs::read_to_string(&status_path).map_err(io("read", &status_path))?;
+    let field = |name: &str, nth: usize| -> Option<u32> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))?
+            .split_whitespace()
+            .nth(nth)?
+            .parse()
+            .ok()
+    };
+    let not_jailed = |why: &str| JailError::NotJailed(format!("VMM {pid} {why}"));
+    let (Some(uid), Some(gid), Some(waiter)) =
+        (field("Uid:", 1), field("Gid:", 1), field("PPid:", 0))
+    else {
+        return Err(not_jailed("has no uid, gid or parent in its status"));
+    };
+    let dir = &claimed.dir;
+    let own_jail = dir.is_absolute()
+        && !dir
+            .components()
+            .any(|c| c == std::path::Component::ParentDir)
+        && std::fs::read_dir(dir).is_ok_and(|entries| {
+            entries.flatten().any(|entry| {
+                entry
+                    .file_name()
+                    .to_str()
+                    .and_then(|n| n.rsplit_once('-'))
+                    .is_some_and(|(_, p)| p == waiter.to_string())
+                    && std::fs::symlink_metadata(entry.path())
+                        .is_ok_and(|m| m.is_dir() && m.uid() == 0 && m.mode() & 0o7777 == 0o700)
+            })
+        });
+    if !own_jail {
+        return Err(not_jailed(&format!(
+            "says its jails are made in {}, which does not hold its jail",
+            dir.display()
+        )));
+    }
+    let cgroup_path = PathBuf::from(format!("/proc/{pid}/cgroup"));
+    let cgroup = std::fs::read_to_string(&cgroup_path).ok().and_then(|text| {
+        let path = text
+            .lines()
+            .find_map(|l| l.strip_prefix("0::"))?
+            .to_string();
+        Some(cgroup2_mount()?.join(path.trim_start_matches('/')))
+    });
+    let read = |file: &str| -> Option<String> {
+        let text = std::fs::read_to_string(cgroup.as_ref()?.join(file)).ok()?;
+        Some(text.trim().to_string())
+    };
+    let memory_mib = read("memory.max")
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(|bytes| bytes >> 20);
+    let cpus = read("cpu.max").and_then(|v| {
+        let (quota, period) = v.split_once(' ')?;
+        let (quota, period) = (quota.parse::<f64>().ok()?, period.parse::<f64>().ok()?);
+        (period > 0.0).then(|| quota / period)
+    });
+    let pids = read("pids.max").and_then(|v| v.parse::<u64>().ok());
+    Ok(JailConfig {
+        dir: claimed.dir.clone(),
+        uid,
+        gid,
+        share: claimed.share.clone(),
+        memory_mib,
+        cpus,
+        pids,
+    })
 }
 
 /// Remove the jails (directory and cgroup) that waiters killed with SIGKILL left in `dir`: a
@@ -711,11 +800,22 @@ pub fn lock_down(needs: &Needs) -> Result<(), JailError> {
         };
         (share, false)
     });
+    // The directories bound so far, and whether they were bound writable.
+    let mut bound: Vec<(PathBuf, bool)> = Vec::new();
     for (share, ours) in own.chain(theirs) {
         let Ok(meta) = std::fs::metadata(&share.path) else {
             // Not there (a FIFO not made yet, a directory made later): the VM does without.
             continue;
         };
+        // Within a directory bound already, as writable as it needs: seen there. (Its mount
+        // point would otherwise be made in that directory, which is the host's: a console
+        // FIFO beside the vsock socket, opened to be made, would wait for a reader forever.)
+        if bound
+            .iter()
+            .any(|(dir, writable)| share.path.starts_with(dir) && (*writable || !share.writable))
+        {
+            continue;
+        }
         let inside = root.join(share.path.strip_prefix("/").unwrap_or(&share.path));
         if ours && meta.is_dir() && meta.permissions().mode() & 0o002 != 0 {
             // Shared whole, a directory anyone writes (/tmp) would bring every socket and
@@ -742,6 +842,9 @@ pub fn lock_down(needs: &Needs) -> Result<(), JailError> {
             std::fs::File::create(&inside).map_err(io("make a mount point", &inside))?;
         }
         bind(&share.path, &inside, !share.writable)?;
+        if meta.is_dir() {
+            bound.push((share.path.clone(), share.writable));
+        }
     }
     // A /proc of the jail's own PID namespace: the VMM reads its own maps and status there.
     let proc_dir = root.join("proc");

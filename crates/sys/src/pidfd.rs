@@ -35,3 +35,18 @@ pub fn signal(pidfd: &OwnedFd, signal: libc::c_int) {
 pub fn kill(pidfd: &OwnedFd) {
     signal(pidfd, libc::SIGKILL);
 }
+
+/// A duplicate, in this process, of descriptor `fd` of the process behind `pidfd`
+/// (pidfd_getfd(2): the caller must be allowed to ptrace that process, as root is),
+/// close-on-exec.
+pub fn get_fd(pidfd: &OwnedFd, fd: RawFd) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_getfd on a pidfd this process owns and a plain number; the result is
+    // checked. The descriptor it makes is close-on-exec.
+    let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if got < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let got = RawFd::try_from(got).map_err(|_| std::io::Error::from_raw_os_error(libc::EBADF))?;
+    // SAFETY: pidfd_getfd returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(got) })
+}

@@ -3,7 +3,7 @@
 //! controller acts on the machine (pause, snapshot, fork, ...) and answers. A request walks
 //! socket -> controller -> machine -> vCPUs and devices; nothing below calls back up.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, Sender};
 
 use mayfly_devices::PowerRequest;
@@ -12,7 +12,6 @@ use crate::devices::net::{VmNet, KEPT_OUTSIDE};
 use crate::event::{VmEvent, VmExit};
 use crate::guest::refresh::Refresh;
 use crate::machine::Machine;
-use crate::persist::fork::ForkError;
 use crate::runtime::Vmm;
 use mayfly_api::{Action, ApiCall, ApiServer, Reply};
 use mayfly_sys::claim::SocketClaim;
@@ -34,9 +33,9 @@ const JAILED_SNAPSHOT: &str = "the VM is jailed: it can write only under the dir
     jail shares (--jail-share DIR, at the same path): snapshot into one of them (see \
     \"jail\" in GET /vm)";
 /// What a jailed VM answers to a fork.
-const JAILED_FORK: &str = "a jailed VM cannot be forked yet (each clone needs a jail of its own, \
-    made outside this one): snapshot it into a shared directory and restore that snapshot \
-    jailed, once per clone";
+const JAILED_FORK: &str = "a jailed VM is forked from outside its jail, since each clone needs a \
+    jail of its own that only root outside can make: run `mayfly fork --sock SOCKET --count N` \
+    as root (it asks this VM for PUT /vm/fork/capture and makes the clones itself)";
 
 /// Whether this VMM can write a snapshot at `path`: anywhere unless it is jailed.
 fn jail_can_write(path: &Path) -> bool {
@@ -56,6 +55,8 @@ pub struct Controller {
     /// A clone held paused until its fork has every clone ready ([`VmEvent::ForkEnded`] lets
     /// it go, unless its user paused or resumed it meanwhile).
     held_for_fork: bool,
+    /// What `PUT /vm/fork/capture` holds for the one finishing the fork outside.
+    fork_capture: Option<crate::persist::fork::HeldCapture>,
 }
 
 /// A way to ask a VM what its control socket would, from any thread of this process: for a
@@ -113,7 +114,15 @@ impl Controller {
             vsock_claim,
             refresh,
             held_for_fork: false,
+            fork_capture: None,
         }
+    }
+
+    /// The directory of the control socket: a fork's clones put their files there.
+    fn socket_dir(&self) -> Option<PathBuf> {
+        self.api
+            .as_ref()
+            .and_then(|api| api.path().parent().map(Path::to_path_buf))
     }
 
     /// A handle for requests to this VM from other threads of the process.
@@ -267,10 +276,7 @@ impl Controller {
                 (Reply::error(409, JAILED_FORK), None)
             }
             Action::Fork(request) => {
-                let dir = self
-                    .api
-                    .as_ref()
-                    .and_then(|api| api.path().parent().map(Path::to_path_buf));
+                let dir = self.socket_dir();
                 match crate::persist::fork::fork(&mut self.machine, dir.as_deref(), &request) {
                     // The clones run once the answer is written (see zygote::Release).
                     Ok(report) => (
@@ -278,22 +284,27 @@ impl Controller {
                             .keeping(report.release),
                         None,
                     ),
-                    Err(e) => {
-                        let status = match e {
-                            ForkError::NoClones
-                            | ForkError::TooMany(_)
-                            | ForkError::Name(_)
-                            | ForkError::NoSocket => 400,
-                            ForkError::NamesInUse { .. } => 409,
-                            ForkError::NotEnoughMemory { .. }
-                            | ForkError::NotEnoughPids { .. }
-                            | ForkError::NotEnoughDescriptors { .. } => 507,
-                            ForkError::ShuttingDown | ForkError::SocketDirNotUtf8(_) => 409,
-                            _ => 500,
-                        };
-                        (Reply::error(status, e.to_string()), None)
-                    }
+                    Err(e) => (Reply::error(e.http_status(), e.to_string()), None),
                 }
+            }
+            Action::ForkCapture(request) => {
+                // What an earlier capture held goes first: its memory is this VM's.
+                self.fork_capture = None;
+                let dir = self.socket_dir();
+                match crate::persist::fork::capture(&mut self.machine, dir.as_deref(), &request) {
+                    Ok((captured, held)) => {
+                        self.fork_capture = Some(held);
+                        (
+                            Reply::ok(serde_json::to_value(&captured).unwrap_or_default()),
+                            None,
+                        )
+                    }
+                    Err(e) => (Reply::error(e.http_status(), e.to_string()), None),
+                }
+            }
+            Action::ForkCaptureRelease => {
+                self.fork_capture = None;
+                (Reply::no_content(), None)
             }
             Action::Shutdown => (Reply::no_content(), Some(VmExit::Shutdown)),
             Action::Net => match self.machine.devices.network() {

@@ -35,7 +35,7 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use mayfly_api::ForkRequest;
 
@@ -117,6 +117,26 @@ pub enum ForkError {
     NamesInUse { dir: PathBuf, prefix: String },
     #[error(transparent)]
     Clones(#[from] ZygoteError),
+    #[error("cannot capture the VM to fork it from outside: {0}")]
+    Capture(String),
+    #[error("the VM refused to be captured for a fork ({status}): {error}")]
+    CaptureRefused { status: u16, error: String },
+}
+
+impl ForkError {
+    /// The status a control socket answers this with.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            Self::NoClones | Self::TooMany(_) | Self::Name(_) | Self::NoSocket => 400,
+            Self::NamesInUse { .. } => 409,
+            Self::NotEnoughMemory { .. }
+            | Self::NotEnoughPids { .. }
+            | Self::NotEnoughDescriptors { .. } => 507,
+            Self::ShuttingDown | Self::SocketDirNotUtf8(_) => 409,
+            Self::CaptureRefused { status, .. } => *status,
+            _ => 500,
+        }
+    }
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ForkError {
@@ -476,6 +496,7 @@ fn claim_clone_files(
         vsock_cid: 0,
         disk_dir: disks.then(|| dir.join(format!("{name}.disks"))),
         net: None,
+        jail: None,
         name: name.to_string(),
         index: 0,
         pid: 0,
@@ -576,13 +597,7 @@ pub fn fork(
     let dir = dir.ok_or(ForkError::NoSocket)?.to_path_buf();
     let was_running = !vm.paused();
     if was_running {
-        vm.pause().map_err(|e| match e {
-            PauseError::Vm(VmError::VcpuGone(_)) => ForkError::ShuttingDown,
-            other => ForkError::Io {
-                what: "pause the VM".into(),
-                source: std::io::Error::other(other.to_string()),
-            },
-        })?;
+        pause(vm)?;
     }
     let pause_ms = start.elapsed().as_secs_f64() * 1e3;
     mayfly_sys::trace::event("fork_paused");
@@ -593,6 +608,16 @@ pub fn fork(
     result
 }
 
+fn pause(vm: &mut Machine) -> Result<(), ForkError> {
+    vm.pause().map_err(|e| match e {
+        PauseError::Vm(VmError::VcpuGone(_)) => ForkError::ShuttingDown,
+        other => ForkError::Io {
+            what: "pause the VM".into(),
+            source: std::io::Error::other(other.to_string()),
+        },
+    })
+}
+
 fn fork_paused(
     vm: &mut Machine,
     request: &ForkRequest,
@@ -600,6 +625,53 @@ fn fork_paused(
     start: Instant,
     pause_ms: f64,
 ) -> Result<ForkReport, ForkError> {
+    let frozen = freeze(vm, start, pause_ms)?;
+    // The zygote starts (exec) while this VMM claims the clones' names.
+    let zygote = Zygote::spawn(&frozen.state, &frozen.base)?;
+    mayfly_sys::trace::event("fork_zygote_spawned");
+    let zygote_ms =
+        start.elapsed().as_secs_f64() * 1e3 - pause_ms - frozen.state_ms - frozen.freeze_ms;
+    let parent = vm.info.identity.name.clone();
+    let clones = Clones {
+        parent: &parent,
+        prefix: request
+            .name_prefix
+            .clone()
+            .unwrap_or_else(|| format!("{parent}-")),
+        count: request.count,
+        dir,
+        disks: frozen.disks,
+        net: vm.devices.net_settings().cloned(),
+        jail: None,
+    };
+    let (clones, release) = clones.start(zygote, &mut vm.info.next_clone, start)?;
+    Ok(ForkReport {
+        parent,
+        clones,
+        copied_bytes: frozen.copied_bytes,
+        pause_ms,
+        state_ms: frozen.state_ms,
+        freeze_ms: frozen.freeze_ms,
+        zygote_ms,
+        total_ms: start.elapsed().as_secs_f64() * 1e3,
+        release,
+    })
+}
+
+/// A paused VM's state and memory, frozen for its clones (steps 1 and 2).
+struct Frozen {
+    /// The state, in a sealed memfd.
+    state: File,
+    /// The memory base nobody writes.
+    base: File,
+    copied_bytes: u64,
+    /// Whether the VM has writable disks (each clone then gets a layer directory).
+    disks: bool,
+    state_ms: f64,
+    freeze_ms: f64,
+}
+
+fn freeze(vm: &mut Machine, start: Instant, pause_ms: f64) -> Result<Frozen, ForkError> {
     // Writable disks freeze first: the clones stack their own layers on the frozen chain, the
     // parent goes on on a new top of its own (metadata only, whatever the disks hold).
     vm.devices
@@ -627,61 +699,260 @@ fn fork_paused(
     };
     let freeze_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms - state_ms;
     mayfly_sys::trace::event("fork_frozen");
-
-    // The zygote starts (exec) while this VMM claims the clones' names.
-    let zygote = Zygote::spawn(&state_file, &base)?;
-    mayfly_sys::trace::event("fork_zygote_spawned");
-    let zygote_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms - state_ms - freeze_ms;
-
-    let parent = vm.info.identity.name.clone();
-    let prefix = request
-        .name_prefix
-        .clone()
-        .unwrap_or_else(|| format!("{parent}-"));
-    let mut claimed = Vec::with_capacity(request.count as usize);
-    let mut logs = std::collections::HashMap::new();
-    let mut skipped = 0u32;
-    while claimed.len() < request.count as usize {
-        if skipped > MAX_SKIPPED_NAMES {
-            return Err(ForkError::NamesInUse {
-                dir: dir.to_path_buf(),
-                prefix,
-            });
-        }
-        let index = vm.info.next_clone;
-        vm.info.next_clone = index.checked_add(1).ok_or(ForkError::NamesExhausted)?;
-        let name = format!("{prefix}{index}");
-        crate::identity::check_name(&name)?;
-        // A name in use (by a live clone of an earlier fork) is skipped, not reused.
-        let Some((info, log)) = claim_clone_files(dir, &name, disks)? else {
-            skipped += 1;
-            continue;
-        };
-        logs.insert(index, log);
-        let vsock_cid = clone_cid()?;
-        claimed.push(CloneInfo {
-            index,
-            vsock_cid,
-            net: vm.devices.net_settings().cloned(),
-            ..info
-        });
-    }
-    mayfly_sys::trace::event("fork_clones_claimed");
-    let open_log = |info: &CloneInfo| reopen_log(info, logs.get(&info.index));
-    let (clones, release) =
-        zygote.start_clones(&parent, claimed, &open_log, start, READY_TIMEOUT)?;
-    mayfly_sys::trace::event("fork_clones_ready");
-    Ok(ForkReport {
-        parent,
-        clones,
+    Ok(Frozen {
+        state: state_file,
+        base,
         copied_bytes,
-        pause_ms,
+        disks,
         state_ms,
         freeze_ms,
+    })
+}
+
+/// The clones of one fork, as they are to be made (steps 3 and 4).
+struct Clones<'a> {
+    parent: &'a str,
+    prefix: String,
+    count: u32,
+    /// Their files go here (beside the parent's control socket).
+    dir: &'a Path,
+    disks: bool,
+    net: Option<crate::devices::net::NetSettings>,
+    /// The jail each makes itself (a fork of a jailed VM).
+    jail: Option<&'a mayfly_jail::jail::JailConfig>,
+}
+
+impl Clones<'_> {
+    /// Claim the clones' names, numbered from `next` on (names in use are skipped), and
+    /// start them from `zygote`; they are ready and held when this returns.
+    fn start(
+        self,
+        zygote: Zygote,
+        next: &mut u32,
+        start: Instant,
+    ) -> Result<(Vec<CloneInfo>, Release), ForkError> {
+        let mut claimed = Vec::with_capacity(self.count as usize);
+        let mut logs = std::collections::HashMap::new();
+        let mut skipped = 0u32;
+        while claimed.len() < self.count as usize {
+            if skipped > MAX_SKIPPED_NAMES {
+                return Err(ForkError::NamesInUse {
+                    dir: self.dir.to_path_buf(),
+                    prefix: self.prefix,
+                });
+            }
+            let index = *next;
+            *next = index.checked_add(1).ok_or(ForkError::NamesExhausted)?;
+            let name = format!("{}{index}", self.prefix);
+            crate::identity::check_name(&name)?;
+            // A name in use (by a live clone of an earlier fork) is skipped, not reused.
+            let Some((info, log)) = claim_clone_files(self.dir, &name, self.disks)? else {
+                skipped += 1;
+                continue;
+            };
+            logs.insert(index, log);
+            if let Some(jail) = self.jail {
+                // A jailed clone opens its console's FIFO once it runs as the jail's uid.
+                std::os::unix::fs::lchown(&info.console_input, Some(jail.uid), Some(jail.gid))
+                    .map_err(io(format!(
+                        "give {} to the jail's uid",
+                        info.console_input.display()
+                    )))?;
+            }
+            let vsock_cid = clone_cid()?;
+            claimed.push(CloneInfo {
+                index,
+                vsock_cid,
+                net: self.net.clone(),
+                jail: self.jail.cloned(),
+                ..info
+            });
+        }
+        mayfly_sys::trace::event("fork_clones_claimed");
+        let open_log = |info: &CloneInfo| reopen_log(info, logs.get(&info.index));
+        let started = zygote.start_clones(self.parent, claimed, &open_log, start, READY_TIMEOUT)?;
+        mayfly_sys::trace::event("fork_clones_ready");
+        Ok(started)
+    }
+}
+
+/// What `PUT /vm/fork/capture` answers: the first half of a fork of a jailed VM, which
+/// [`fork_from_outside`] finishes.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Captured {
+    /// This process's descriptors that hold the state (a sealed memfd) and the memory base,
+    /// until `PUT /vm/fork/release` or the next capture.
+    pub state_fd: i32,
+    pub memory_fd: i32,
+    pub parent: String,
+    /// The clones are numbered from here (this many numbers are kept for them).
+    pub first_clone: u32,
+    pub disks: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net: Option<crate::devices::net::NetSettings>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jail: Option<mayfly_jail::jail::JailConfig>,
+    pub copied_bytes: u64,
+    pub pause_ms: f64,
+    pub state_ms: f64,
+    pub freeze_ms: f64,
+}
+
+/// What a capture holds for the one who finishes its fork.
+#[derive(Debug)]
+pub struct HeldCapture {
+    _state: File,
+    _base: File,
+}
+
+/// `PUT /vm/fork/capture`: steps 1 and 2 only, for a fork made from outside this VMM. The
+/// VM runs again (unless `parent_paused`) as soon as its memory is frozen: the clones are
+/// made by someone else.
+pub fn capture(
+    vm: &mut Machine,
+    dir: Option<&Path>,
+    request: &ForkRequest,
+) -> Result<(Captured, HeldCapture), ForkError> {
+    let start = Instant::now();
+    check(vm, dir, request)?;
+    let was_running = !vm.paused();
+    if was_running {
+        pause(vm)?;
+    }
+    let pause_ms = start.elapsed().as_secs_f64() * 1e3;
+    let frozen = freeze(vm, start, pause_ms);
+    if was_running && !request.parent_paused {
+        vm.resume();
+    }
+    let frozen = frozen?;
+    let first_clone = vm.info.next_clone;
+    vm.info.next_clone = first_clone
+        .checked_add(request.count)
+        .ok_or(ForkError::NamesExhausted)?;
+    let captured = Captured {
+        state_fd: frozen.state.as_raw_fd(),
+        memory_fd: frozen.base.as_raw_fd(),
+        parent: vm.info.identity.name.clone(),
+        first_clone,
+        disks: frozen.disks,
+        net: vm.devices.net_settings().cloned(),
+        jail: mayfly_jail::jail::current().map(|jail| jail.config().clone()),
+        copied_bytes: frozen.copied_bytes,
+        pause_ms,
+        state_ms: frozen.state_ms,
+        freeze_ms: frozen.freeze_ms,
+    };
+    let held = HeldCapture {
+        _state: frozen.state,
+        _base: frozen.base,
+    };
+    Ok((captured, held))
+}
+
+/// Fork the jailed VM at `api_sock` from outside it, as root: each clone needs a jail of
+/// its own, which only root outside can make, so the clones are made here and not by the VM's
+/// VMM (`mayfly fork` does this for a jailed VM).
+///
+/// 1. `PUT /vm/fork/capture`: the VMM pauses, captures its state and freezes its memory (as
+///    its own fork would, steps 1 and 2), runs on, and answers with the numbers of the two
+///    descriptors that hold them.
+/// 2. Both are taken from the process that serves the socket (as the kernel names it, not as
+///    its answer does) with pidfd_getfd; the state must be sealed against writes. The VMM is
+///    told to let go of its copies.
+/// 3. The clones are made from a zygote of this process's, as any fork's (steps 3 and 4),
+///    each beside the parent's socket and each making itself a jail as its parent's: its own
+///    namespaces, cgroup and root, the parent's uid and gid as the kernel says them, and a
+///    waiter outside that keeps its network.
+pub fn fork_from_outside(api_sock: &Path, request: &ForkRequest) -> Result<ForkReport, ForkError> {
+    let start = Instant::now();
+    let dir = api_sock.parent().ok_or(ForkError::NoSocket)?;
+    let body = serde_json::json!({
+        "count": request.count,
+        "name_prefix": request.name_prefix,
+        "parent": if request.parent_paused { "paused" } else { "running" },
+        "overcommit": request.overcommit,
+    });
+    // 1. The capture.
+    let (status, answer, server) =
+        mayfly_api::request_with_server(api_sock, "PUT", "/vm/fork/capture", Some(&body))
+            .map_err(|e| ForkError::Capture(e.to_string()))?;
+    if status != 200 {
+        return Err(ForkError::CaptureRefused {
+            status,
+            error: answer["error"].as_str().unwrap_or("").to_string(),
+        });
+    }
+    let captured: Captured = serde_json::from_value(answer)
+        .map_err(|e| ForkError::Capture(format!("its answer does not parse: {e}")))?;
+    // 2. Its descriptors.
+    let take = |fd: i32, what: &str| {
+        mayfly_sys::pidfd::get_fd(&server, fd)
+            .map(File::from)
+            .map_err(io(format!(
+                "take the fork's {what} from the VMM (pidfd_getfd)"
+            )))
+    };
+    let taken = take(captured.state_fd, "state")
+        .and_then(|state| Ok((state, take(captured.memory_fd, "memory")?)));
+    // Let go either way: what it holds is the VMM's memory.
+    let _ = mayfly_api::request(api_sock, "PUT", "/vm/fork/release", None);
+    let (state, base) = taken?;
+    // SAFETY: fcntl on a descriptor this process owns; it only reads its seals.
+    let seals = unsafe { libc::fcntl(state.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_WRITE == 0 {
+        return Err(ForkError::Capture(
+            "its state is not a sealed file: it could change under the clones".into(),
+        ));
+    }
+    let claimed = captured.jail.as_ref().ok_or_else(|| {
+        ForkError::Capture("the VM is not jailed: fork it with PUT /vm/fork".into())
+    })?;
+    // The clones' jail is the parent's as the kernel says it, not as its answer does.
+    let pid = pid_of(&server).map_err(io("find the VMM's process"))?;
+    let jail = mayfly_jail::jail::config_of(pid, claimed)
+        .map_err(|e| ForkError::Capture(e.to_string()))?;
+    if pid_of(&server).ok() != Some(pid) {
+        return Err(ForkError::Capture("the VMM ended".into()));
+    }
+    // 3. The clones.
+    let zygote = Zygote::spawn(&state, &base)?;
+    let zygote_ms = start.elapsed().as_secs_f64() * 1e3;
+    let clones = Clones {
+        parent: &captured.parent,
+        prefix: request
+            .name_prefix
+            .clone()
+            .unwrap_or_else(|| format!("{}-", captured.parent)),
+        count: request.count,
+        dir,
+        disks: captured.disks,
+        net: captured.net.clone(),
+        jail: Some(&jail),
+    };
+    let mut next = captured.first_clone;
+    let (clones, release) = clones.start(zygote, &mut next, start)?;
+    Ok(ForkReport {
+        parent: captured.parent,
+        clones,
+        copied_bytes: captured.copied_bytes,
+        pause_ms: captured.pause_ms,
+        state_ms: captured.state_ms,
+        freeze_ms: captured.freeze_ms,
         zygote_ms,
         total_ms: start.elapsed().as_secs_f64() * 1e3,
         release,
     })
+}
+
+/// The pid of the process behind `pidfd`, from the pidfd's own fdinfo (an ended process's
+/// reads -1, which is no pid).
+fn pid_of(pidfd: &std::os::fd::OwnedFd) -> std::io::Result<u32> {
+    let fdinfo = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd()))?;
+    fdinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("Pid:"))
+        .and_then(|pid| pid.trim().parse().ok())
+        .ok_or_else(|| std::io::Error::other("the process has ended"))
 }
 
 #[cfg(test)]

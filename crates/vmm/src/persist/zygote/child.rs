@@ -30,16 +30,29 @@ impl Reporter {
     /// goes with the word. Returns what tells it when its fork ends, or None if the word
     /// could not be sent: nobody knows of this clone then, and it must stop.
     pub fn ready(self) -> Option<ForkEnd> {
+        // A jailed clone keeps its own: it dies with its jail's waiter, which no longer dies
+        // with the zygote (see `become_clone`).
+        let jailed = mayfly_jail::jail::current().is_some();
         // SAFETY: prctl with plain integer arguments; getpid has no preconditions.
         let pid = unsafe {
-            libc::prctl(libc::PR_SET_PDEATHSIG, 0, 0, 0, 0);
+            if !jailed {
+                libc::prctl(libc::PR_SET_PDEATHSIG, 0, 0, 0, 0);
+            }
             libc::getpid()
         };
         let message = encode(&Message::Ready {
             index: self.index,
-            pid: pid.unsigned_abs(),
+            // As the forking side numbers it (a jailed clone is 1 in its own namespace).
+            pid: mayfly_jail::jail::host_pid(),
         })?;
-        let sent = match pidfd::open(pid) {
+        // A jailed clone's pidfd stays here: the fork follows its jail's waiter (the
+        // zygote's child, named by the zygote), with which it dies.
+        let own = if jailed {
+            Err(std::io::ErrorKind::Unsupported.into())
+        } else {
+            pidfd::open(pid)
+        };
+        let sent = match own {
             Ok(pidfd) => self
                 .socket
                 .send_with_fd(&message[..], pidfd.as_raw_fd())
@@ -366,6 +379,23 @@ pub(crate) fn become_clone(
     }
     drop(log);
     mayfly_sys::trace::event("clone_forked");
+    if let Some(jail) = clone.jail.clone() {
+        // Its own jail, made while this process has one thread: this process stays outside
+        // as the jail's waiter (root: it keeps the clone's network and cleans up after it),
+        // and goes on inside as the clone's VMM. The waiter must outlive the zygote, which
+        // ends once every clone of the fork is ready, so it no longer dies with it; a fork
+        // that fails kills it by the pidfd the zygote sent, and the VMM inside dies with it.
+        // SAFETY: prctl with plain integer arguments.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, 0, 0, 0, 0) };
+        let network = crate::outside::network_socket(&clone.api_sock);
+        let sockets = vec![clone.api_sock.clone(), clone.vsock.clone(), network.clone()];
+        let work = crate::outside::keep_network(Some(network));
+        if let Err(err) = mayfly_jail::jail::enter(jail, &clone.name, sockets, Some(work)) {
+            report.failed(&format!("cannot make its jail: {err}"));
+            std::process::exit(1);
+        }
+        mayfly_sys::trace::event("clone_jailed");
+    }
     let instance = Instance {
         origin: format!("fork of {parent}"),
         console: Console::Log(clone.console_log.clone()),

@@ -31,6 +31,11 @@ pub struct CloneInfo {
     /// of its own), if the parent has a NIC.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub net: Option<crate::devices::net::NetSettings>,
+    /// The jail it makes itself before anything of its VM, as its parent's is (a fork of a
+    /// jailed VM, made from outside it: see [`crate::persist::fork::fork_from_outside`]):
+    /// namespaces, a cgroup and a root of its own, and its parent's uid.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub jail: Option<mayfly_jail::jail::JailConfig>,
     /// From the fork request until this clone reported that it is ready to run.
     #[serde(default)]
     pub ready_ms: f64,

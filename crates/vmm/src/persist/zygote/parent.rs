@@ -123,6 +123,9 @@ impl Drop for Release {
 pub(crate) struct Pending {
     info: CloneInfo,
     pidfd: Option<OwnedFd>,
+    /// A jailed clone's VMM, as its Ready says it (the process followed is its jail's waiter,
+    /// the zygote's child; the VMM dies with it).
+    jailed_pid: Option<u32>,
     /// The zygote said whether it made this clone's process (Forked or NotForked), or can no
     /// longer say.
     answered: bool,
@@ -369,9 +372,14 @@ impl Follow {
             Message::Failed { index, reason } => self.settle(index, Err(reason)),
             Message::Ready { index, pid } => {
                 // With its own pidfd, a clone that runs is known even if the zygote's word
-                // on it never comes.
+                // on it never comes. A jailed clone sends none: the process followed is its
+                // jail's waiter, which the zygote's word names.
                 if fd.is_some() && self.take_pidfd(index, pid, fd) {
                     self.answer(index);
+                } else if let Some(entry) = self.pending.get_mut(&index) {
+                    if entry.info.jail.is_some() {
+                        entry.jailed_pid = Some(pid);
+                    }
                 }
                 self.settle(index, Ok(()));
             }
@@ -476,6 +484,7 @@ pub(crate) fn follow(
                     Pending {
                         info,
                         pidfd: None,
+                        jailed_pid: None,
                         answered: false,
                         outcome: None,
                     },
@@ -522,7 +531,12 @@ pub(crate) fn follow(
     Ok(order
         .iter()
         .filter_map(|index| pending.remove(index))
-        .filter_map(|entry| Some((entry.info, entry.pidfd?)))
+        .filter_map(|mut entry| {
+            if let Some(pid) = entry.jailed_pid {
+                entry.info.pid = pid;
+            }
+            Some((entry.info, entry.pidfd?))
+        })
         .collect())
 }
 

@@ -27,6 +27,7 @@ fn info(index: u32) -> CloneInfo {
         vsock: format!("/nonexistent/c-{index}.vsock").into(),
         vsock_cid: 1000 + u64::from(index),
         net: None,
+        jail: None,
         disk_dir: None,
         ready_ms: 0.0,
     }
