@@ -279,7 +279,14 @@ fn a_jailed_vm_forks_from_outside_into_clones_each_in_a_jail_of_its_own() {
         let name = clone["name"].as_str().unwrap();
         let clone_sock = PathBuf::from(clone["api_sock"].as_str().unwrap());
         let (pid, jail) = jail_of(&clone_sock);
-        assert_eq!(clone["pid"].as_u64(), Some(u64::from(pid)), "{clone}");
+        // The answer names its VMM, and the process to signal: its jail's waiter, the
+        // VMM's parent.
+        assert_eq!(clone["vmm_pid"].as_u64(), Some(u64::from(pid)), "{clone}");
+        assert_eq!(
+            status_field(pid, "PPid"),
+            clone["pid"].as_u64().unwrap().to_string(),
+            "{clone}"
+        );
         let (_, vm) = request(&clone_sock, "GET", "/vm", None);
         assert_eq!(vm["name"], name, "{vm}");
         assert_eq!(vm["origin"], "fork of p", "{vm}");
@@ -640,12 +647,18 @@ fn a_jailed_vm_has_a_nic_whose_network_its_waiter_keeps_and_only_root_changes() 
     );
     // A fork (from outside, as root) gives each clone a jail, a network, a MAC and an
     // outside address of its own, kept by its own waiter, with its parent's policy.
+    // Its networks go where the parent's went: this command says where (--net-*), as the
+    // parent's did, not the parent's VMM.
     let out = mayfly_tests::guest::mayfly_ok(&[
         "fork",
         "--sock",
         &sock.to_string_lossy(),
         "--count",
         "2",
+        "--net-uplink",
+        &uplink_path,
+        "--net-dir",
+        &net_dir,
     ]);
     let report: serde_json::Value = serde_json::from_str(&out).unwrap();
     let mut addresses = vec![net["outside_ip"].as_str().unwrap().to_string()];

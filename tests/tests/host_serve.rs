@@ -632,6 +632,17 @@ fn a_fork_makes_sandboxes_of_their_own_from_one_snapshot_running_or_asleep() {
         Some(json!({"count": 1})),
     );
     assert_eq!(status, 403, "a sandbox's own token makes no sandboxes");
+    // Nor does it (nor the admin) reach the VMM's own fork routes through the manager: a
+    // capture is the manager's to ask for, only while it forks.
+    for (token, path) in [
+        (Some(src_token.as_str()), "/sandboxes/src/vm/fork/capture"),
+        (Some(src_token.as_str()), "/sandboxes/src/vm/fork/release"),
+        (Some(m.admin.as_str()), "/sandboxes/src/vm/fork/capture"),
+        (Some(src_token.as_str()), "/sandboxes/src/vm/fork"),
+    ] {
+        let (status, body) = call(&m.sock, token, "PUT", path, Some(json!({"count": 1})));
+        assert_eq!(status, 409, "{path}: {body}");
+    }
     assert_eq!(
         m.admin("GET", "/sandboxes", None).1["sandboxes"]
             .as_array()
@@ -1614,4 +1625,123 @@ fn names_in_policies_are_asked_of_the_guests_resolver_and_unknown_ones_are_refus
         "{body}"
     );
     assert_eq!(m.admin("GET", "/sandboxes/deaf", None).0, 404);
+}
+
+/// Resident and proportional memory of process `pid`, bytes (smaps_rollup).
+fn rss_and_pss(pid: u64) -> (u64, u64) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap();
+    let field = |name: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {name} in smaps_rollup of {pid}"))
+            * 1024
+    };
+    (field("Rss:"), field("Pss:"))
+}
+
+/// The process a jailed sandbox's VMM is: the one child of its jail's waiter.
+fn vmm_of(waiter: u64) -> u64 {
+    let children =
+        std::fs::read_to_string(format!("/proc/{waiter}/task/{waiter}/children")).unwrap();
+    let kids: Vec<u64> = children
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect();
+    assert_eq!(kids.len(), 1, "the waiter {waiter} has {kids:?}");
+    kids[0]
+}
+
+/// A fork into 100 of a running sandbox is the zygote's fork: the source runs on (it is not
+/// put to sleep), and each clone is a sandbox of its own (its process, its jail's uid, its
+/// token), whose guest memory is the source's shared copy-on-write.
+#[test]
+fn a_fork_into_a_hundred_shares_the_running_sources_memory_each_clone_jailed_apart() {
+    let dir = TestDir::new("serve-fork-100");
+    let m = Manager::start(&dir);
+    let (status, body) = m.admin(
+        "POST",
+        "/sandboxes",
+        Some(json!({
+            "name": "src", "kernel": probe::ELF, "mem_mib": 64, "cmdline": "touch=1",
+            "probe": true,
+        })),
+    );
+    assert_eq!(status, 201, "{body}");
+    m.wait_probe("src", "waiting", 1);
+    let (status, body) = m.admin("POST", "/sandboxes/src/fork", Some(json!({"count": 100})));
+    assert_eq!(status, 201, "{body}");
+    let clones = body["clones"].as_array().unwrap().clone();
+    assert_eq!(clones.len(), 100);
+    // The source ran on.
+    let src = m.describe("src");
+    assert_eq!(
+        (src["state"].as_str(), src["suspends"].as_u64()),
+        (Some("running"), Some(0)),
+        "{src}"
+    );
+    let mut uids = vec![src["uid"].as_u64().unwrap()];
+    let mut tokens = Vec::new();
+    let mut waiters = Vec::new();
+    let (mut rss, mut pss) = (0u64, 0u64);
+    for clone in &clones {
+        let name = clone["name"].as_str().unwrap();
+        assert_eq!(clone["state"], "running", "{clone}");
+        let uid = clone["uid"].as_u64().unwrap();
+        uids.push(uid);
+        tokens.push(clone["token"].as_str().unwrap().to_string());
+        let waiter = m.describe(name)["pid"].as_u64().unwrap();
+        assert!(alive(waiter), "{name}");
+        waiters.push(waiter);
+        let vmm = vmm_of(waiter);
+        let status = std::fs::read_to_string(format!("/proc/{vmm}/status")).unwrap();
+        let uid_line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+        assert_eq!(
+            uid_line.split_whitespace().nth(1),
+            Some(uid.to_string().as_str()),
+            "{name}'s VMM runs as its own uid"
+        );
+        let (r, p) = rss_and_pss(vmm);
+        rss += r;
+        pss += p;
+    }
+    for list in [&mut uids, &mut waiters] {
+        list.sort_unstable();
+        list.dedup();
+    }
+    tokens.sort();
+    tokens.dedup();
+    assert_eq!((uids.len(), waiters.len(), tokens.len()), (101, 100, 100));
+    // Their pages are shared: each clone's proportional share is a small part of what it
+    // maps (the guest's pages written before the fork are mapped by all 101 VMMs).
+    assert!(
+        pss * 3 < rss,
+        "the clones' VMMs: PSS {} MiB of RSS {} MiB",
+        pss >> 20,
+        rss >> 20
+    );
+    // Each clone finds every page the source wrote, and answers with its own token.
+    for name in ["src-1", "src-50", "src-100"] {
+        m.wait_probe(name, "verified", 1);
+    }
+    let first = clones[0]["name"].as_str().unwrap();
+    let token = clones[0]["token"].as_str().unwrap();
+    let (status, vm) = call(
+        &m.sock,
+        Some(token),
+        "GET",
+        &format!("/sandboxes/{first}/vm"),
+        None,
+    );
+    assert_eq!((status, &vm["name"]), (200, &json!(first)), "{vm}");
+    let (status, _) = call(&m.sock, Some(token), "GET", "/sandboxes/src/vm", None);
+    assert_eq!(status, 403, "a clone's token opens its own sandbox only");
+    for clone in &clones {
+        let name = clone["name"].as_str().unwrap();
+        let (status, body) = m.admin("DELETE", &format!("/sandboxes/{name}"), None);
+        assert_eq!(status, 200, "{body}");
+    }
+    for waiter in waiters {
+        assert!(!alive(waiter), "a deleted clone's process runs on");
+    }
 }

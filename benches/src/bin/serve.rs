@@ -161,9 +161,17 @@ struct ComposedFigures {
     /// into N (`PUT /vm/fork` → its answer), N = 1 and 10 one sample each per round, N = 100
     /// in `--fork-100-runs` rounds of their own after those (none: its ratio is null).
     manager_fork_ms: Vec<(usize, Stats)>,
-    /// The source's part of those (the answer's `snapshot_ms`: it is paused within it, and
-    /// runs on after; target for the pause: ≤ 10 ms).
+    /// The source's part of those (the answer's `snapshot_ms`: 0 for a running source, which
+    /// is no longer put to sleep for a fork).
     manager_fork_source_snapshot_ms: Vec<(usize, Stats)>,
+    /// How long the source was paused for the fork's capture (the answer's
+    /// `source_paused_ms`; target ≤ 10 ms).
+    manager_fork_source_paused_ms: Vec<(usize, Stats)>,
+    /// Each clone of a manager fork into 100, right after it: its processes' (VMM and jail
+    /// waiter) proportional set size, KiB (target ≤ 1 MiB beyond its dirtied pages; the
+    /// probe dirties none after the fork), and its VMM's resident set, KiB, for scale.
+    manager_clone_pss_kib: Stats,
+    manager_clone_vmm_rss_kib: Stats,
     mayfly_fork_ms: Vec<(usize, Stats)>,
     /// Median manager fork / median `mayfly fork`, per N (target at 100: ≤ 1.5).
     manager_over_mayfly_fork: Vec<(usize, f64)>,
@@ -189,6 +197,9 @@ impl ComposedFigures {
                 .collect(),
             manager_fork_ms: stats(&composed.manager_fork),
             manager_fork_source_snapshot_ms: stats(&composed.manager_snapshot),
+            manager_fork_source_paused_ms: stats(&composed.manager_paused),
+            manager_clone_pss_kib: Stats::of(&composed.clone_pss_kib).unwrap_or_default(),
+            manager_clone_vmm_rss_kib: Stats::of(&composed.clone_rss_kib).unwrap_or_default(),
             mayfly_fork_ms: stats(&composed.mayfly_fork),
         }
     }
@@ -541,6 +552,11 @@ struct Composed {
     manager_fork: Vec<(usize, Vec<f64>)>,
     /// The source's part of each manager fork (`snapshot_ms`: pause, snapshot, resume, seal).
     manager_snapshot: Vec<(usize, Vec<f64>)>,
+    /// The source's pause for each manager fork (`source_paused_ms`).
+    manager_paused: Vec<(usize, Vec<f64>)>,
+    /// Per clone of the forks into 100: PSS of its VMM and waiter, RSS of its VMM, KiB.
+    clone_pss_kib: Vec<f64>,
+    clone_rss_kib: Vec<f64>,
     mayfly_fork: Vec<(usize, Vec<f64>)>,
 }
 
@@ -558,6 +574,26 @@ fn fork_pair(m: &Manager, sock: &Path, count: usize, out: &mut Composed, k: usiz
     out.manager_snapshot[k]
         .1
         .push(body["snapshot_ms"].as_f64().unwrap_or(f64::NAN));
+    out.manager_paused[k]
+        .1
+        .push(body["source_paused_ms"].as_f64().unwrap_or(f64::NAN));
+    if count >= 100 {
+        for clone in body["clones"].as_array().into_iter().flatten() {
+            let Some(waiter) = clone["pid"].as_u64() else {
+                continue;
+            };
+            let vmm = std::fs::read_to_string(format!("/proc/{waiter}/task/{waiter}/children"))
+                .ok()
+                .and_then(|c| c.split_whitespace().next()?.parse::<u64>().ok());
+            let (Some((_, waiter_pss)), Some((vmm_rss, vmm_pss))) =
+                (rss_pss_kib(waiter), vmm.and_then(rss_pss_kib))
+            else {
+                continue;
+            };
+            out.clone_pss_kib.push((waiter_pss + vmm_pss) as f64);
+            out.clone_rss_kib.push(vmm_rss as f64);
+        }
+    }
     for clone in body["clones"].as_array().into_iter().flatten() {
         let name = clone["name"].as_str().unwrap_or_default();
         m.admin("DELETE", &format!("/sandboxes/{name}"), None);
@@ -582,6 +618,20 @@ fn fork_pair(m: &Manager, sock: &Path, count: usize, out: &mut Composed, k: usiz
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
     }
+}
+
+/// Resident and proportional set size of process `pid`, KiB (its smaps_rollup).
+fn rss_pss_kib(pid: u64) -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    Some((field("Rss:")?, field("Pss:")?))
 }
 
 /// The composed sandbox against its parts: see the module docs.
@@ -624,6 +674,9 @@ fn composed(args: &Args, m: &Manager, template: &serde_json::Value) -> Composed 
         bare_create: Vec::new(),
         manager_fork: COUNTS.iter().map(|n| (*n, Vec::new())).collect(),
         manager_snapshot: COUNTS.iter().map(|n| (*n, Vec::new())).collect(),
+        manager_paused: COUNTS.iter().map(|n| (*n, Vec::new())).collect(),
+        clone_pss_kib: Vec::new(),
+        clone_rss_kib: Vec::new(),
         mayfly_fork: COUNTS.iter().map(|n| (*n, Vec::new())).collect(),
     };
     for i in 0..args.runs {

@@ -163,6 +163,18 @@ pub(crate) struct ForkArgs {
     /// guest memory they will write: for many clones that stay idle.
     #[arg(long)]
     pub(crate) overcommit: bool,
+    /// Make the clones here, as this JSON file places them (`{"clones": [{"name",
+    /// "api_sock", "console_log", "stderr", "vsock", "disk_dir", "uid", "share", "memory_mib",
+    /// "layers_moved"}], "policy"}`), their networks made where --net-* say: what the sandbox
+    /// manager does, each clone a sandbox of its own. Needs root.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) place: Option<PathBuf>,
+    /// Print the clones, then let them run only once a line `go` comes on stdin (anything
+    /// else, or its end, stops them): for a program that records them before they run.
+    #[arg(long, requires = "place")]
+    pub(crate) hold: bool,
+    #[command(flatten)]
+    pub(crate) net_place: NetPlaceArgs,
 }
 
 #[derive(Args)]

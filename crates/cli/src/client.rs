@@ -93,8 +93,8 @@ pub(crate) fn fork(args: ForkArgs) -> ExitCode {
         Ok((status, answer)) => return fail(format!("the VM answered HTTP {status}: {answer}")),
         Err(err) => return fail(err),
     };
-    if jailed {
-        return fork_jailed(&args);
+    if jailed || args.place.is_some() {
+        return fork_from_outside(&args);
     }
     let request = ForkBody {
         count: Some(Count(args.count)),
@@ -109,15 +109,34 @@ pub(crate) fn fork(args: ForkArgs) -> ExitCode {
     client(&args.sock.sock, "PUT", "/vm/fork", Some(body(&request)))
 }
 
-/// `mayfly fork` of a jailed VM: its clones are made by this process, each in a jail of its
-/// own, and run once their list is printed.
-fn fork_jailed(args: &ForkArgs) -> ExitCode {
+/// `mayfly fork` of a jailed VM, or with `--place`: its clones are made by this process
+/// (each in a jail of its own for a jailed VM), and run once their list is printed (with
+/// `--hold`, once `go` is read).
+fn fork_from_outside(args: &ForkArgs) -> ExitCode {
     if !nix::unistd::Uid::effective().is_root() {
         return fail(
-            "the VM is jailed: each of its clones is made a jail of its own, which needs root; \
-             run mayfly fork as root",
+            "the VM is jailed (or its clones placed): each of its clones is made a jail of its \
+             own, which needs root; run mayfly fork as root",
         );
     }
+    let placed = match &args.place {
+        Some(path) => {
+            let read = std::fs::read(path)
+                .map_err(|e| e.to_string())
+                .and_then(|bytes| {
+                    serde_json::from_slice::<mayfly_vmm::persist::fork::Placed>(&bytes)
+                        .map_err(|e| e.to_string())
+                });
+            match read {
+                Ok(placed) => Some(placed),
+                Err(e) => return fail(format!("--place {}: {e}", path.display())),
+            }
+        }
+        None => None,
+    };
+    // Where the clones' networks are made is this command's to say (its --net-* options, as
+    // the parent's were given), not the parent VMM's.
+    let net = Some(args.net_place.settings());
     let request = mayfly_api::ForkRequest {
         count: args.count,
         name_prefix: args.name_prefix.clone(),
@@ -125,9 +144,9 @@ fn fork_jailed(args: &ForkArgs) -> ExitCode {
         overcommit: args.overcommit,
     };
     let sock = std::path::absolute(&args.sock.sock).unwrap_or(args.sock.sock.clone());
-    match mayfly_vmm::persist::fork::fork_from_outside(&sock, &request) {
+    match mayfly_vmm::persist::fork::fork_from_outside(&sock, &request, placed, net) {
         Ok(report) => {
-            let printed = serde_json::to_string_pretty(&report)
+            let printed = serde_json::to_string(&report)
                 .map_err(std::io::Error::other)
                 .and_then(|text| {
                     use std::io::Write;
@@ -135,14 +154,21 @@ fn fork_jailed(args: &ForkArgs) -> ExitCode {
                     writeln!(out, "{text}")?;
                     out.flush()
                 });
-            match printed {
-                // The clones run once their list is out (see zygote::Release).
-                Ok(()) => {
-                    report.release.delivered();
-                    ExitCode::SUCCESS
-                }
-                Err(err) => fail(format!("cannot print the fork's clones ({err}); they stop")),
+            if let Err(err) = printed {
+                return fail(format!("cannot print the fork's clones ({err}); they stop"));
             }
+            if args.hold {
+                let mut line = String::new();
+                let read = std::io::stdin().read_line(&mut line);
+                if !(read.is_ok() && line.trim() == "go") {
+                    return fail(
+                        "the fork's clones were not let go (no \"go\" on stdin); they stop",
+                    );
+                }
+            }
+            // The clones run once their list is out (see zygote::Release).
+            report.release.delivered();
+            ExitCode::SUCCESS
         }
         Err(err) => fail(err),
     }

@@ -220,6 +220,7 @@ fn restore_instance(args: RestoreArgs) -> Result<(MemoryMode, Instance, Option<P
             snapshot_dir: args.dir.clone(),
             disk_dir: beside_socket(args.disk_dir, args.api_sock.as_deref(), ".disks"),
             layers_within: args.disk_layers_within,
+            layers_moved: None,
             net: mayfly_vmm::devices::net::NetTargets {
                 settings: args.net_place.settings(),
                 policy: net_policy,

@@ -418,8 +418,8 @@ pub fn enter(
 /// its guest took over could say anything of itself, so only what the kernel shows is taken.
 /// Its uid and gid from its status; its limits from its cgroup; the directory its jails go in
 /// only if it holds this VMM's (a directory of root's named for its waiter's pid), since
-/// a new jail clears dead ones there; the shares it names (a clone's jail checks that its uid
-/// may write each, as any jail's does).
+/// a new jail clears dead ones there; the shares it names that it has mounted in its root (a
+/// clone's jail checks that its uid may write each, as any jail's does).
 pub fn config_of(pid: u32, claimed: &JailConfig) -> Result<JailConfig, JailError> {
     use std::os::unix::fs::MetadataExt;
     let status_path = PathBuf::from(format!("/proc/{pid}/status"));
@@ -482,11 +482,26 @@ pub fn config_of(pid: u32, claimed: &JailConfig) -> Result<JailConfig, JailError
         (period > 0.0).then(|| quota / period)
     });
     let pids = read("pids.max").and_then(|v| v.parse::<u64>().ok());
+    // A share is taken only if the VMM has it: a mount at that path in its own root.
+    let mountinfo_path = PathBuf::from(format!("/proc/{pid}/mountinfo"));
+    let mountinfo =
+        std::fs::read_to_string(&mountinfo_path).map_err(io("read", &mountinfo_path))?;
+    let mounted: Vec<PathBuf> = mountinfo
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(4))
+        .map(|point| PathBuf::from(mayfly_sys::mountinfo::unescape(point)))
+        .collect();
+    let share = claimed
+        .share
+        .iter()
+        .filter(|path| mounted.contains(path))
+        .cloned()
+        .collect();
     Ok(JailConfig {
         dir: claimed.dir.clone(),
         uid,
         gid,
-        share: claimed.share.clone(),
+        share,
         memory_mib,
         cpus,
         pids,

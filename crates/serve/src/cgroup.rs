@@ -265,6 +265,44 @@ fn prepare(kind: &Kind) -> Result<(), ServeError> {
     Ok(())
 }
 
+/// End every process still in a sandbox's memory group (what is left of a VMM whose record
+/// no longer names it: a fork's clone caught mid-fork, its jail's waiter still cleaning up),
+/// then remove the group. Each is asked to stop (SIGTERM: a jail's waiter then cleans up
+/// after its VMM), and killed if it has not within 2 s, through a pidfd taken while it is
+/// still listed in the group, so no process that took a listed pid after its owner ended is
+/// touched.
+pub fn end_and_remove(dir: &Path) {
+    let listed = || -> Vec<libc::pid_t> {
+        std::fs::read_to_string(dir.join("cgroup.procs"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    };
+    let start = std::time::Instant::now();
+    loop {
+        let pids = listed();
+        let waited = start.elapsed();
+        if pids.is_empty() || waited > std::time::Duration::from_secs(10) {
+            break;
+        }
+        let signal = if waited < std::time::Duration::from_secs(2) {
+            libc::SIGTERM
+        } else {
+            libc::SIGKILL
+        };
+        for pid in pids {
+            if let Ok(pidfd) = mayfly_sys::pidfd::open(pid) {
+                if listed().contains(&pid) {
+                    mayfly_sys::pidfd::signal(&pidfd, signal);
+                }
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    remove(dir);
+}
+
 /// Remove a VMM's memory group once its processes are gone (best effort: the kernel empties
 /// a group a moment after its last process exits).
 pub fn remove(dir: &Path) {

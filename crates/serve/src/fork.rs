@@ -33,6 +33,7 @@ use crate::error::ServeError;
 use crate::files::seal;
 use crate::journal::{Intent, Pending};
 use crate::manager::Manager;
+use crate::process::Vmm;
 use crate::records::{valid_name, Spec};
 use crate::sandbox::Sandbox;
 use crate::util::{io_error, now_ms};
@@ -132,6 +133,11 @@ pub fn fork(
     // its VMM wrote that one); its names must still resolve, or every clone would fail.
     let net = crate::util::lock(&source.view).net_policy.clone();
     manager.check_names("the source's policy", net.as_deref())?;
+    // A running source is forked where it runs: its VMM's memory, captured, is shared by
+    // its clones through a zygote (see `fork_live`); a sleeping one from its snapshot.
+    if let Some(forked) = fork_live(manager, source, request, &names, net.as_deref())? {
+        return Ok(forked);
+    }
     let start = Instant::now();
     let forks = manager.state_dir().join("forks");
     std::fs::create_dir_all(&forks).map_err(io_error("make", &forks))?;
@@ -265,4 +271,382 @@ pub fn fork(
         "ms": ms,
         "snapshot_ms": snapshot_ms,
     }))
+}
+
+/// How long the fork's helper may take to make every clone: the clones' own deadline
+/// (`mayfly_api::FORK_READY_TIMEOUT`) and some.
+const HELPER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(150);
+
+/// A fork of a running source, its clones made by `mayfly fork --place ... --hold` (the
+/// fork's helper, a child of the manager): `None` when the source is not running (it is then
+/// forked from its snapshot).
+///
+/// 1. Each clone is made a sandbox, Starting: its name, uid, token, directory, record
+///    naming the fork (which is in the journal from here until it answers), its memory
+///    reserved and its memory cgroup made.
+/// 2. The helper captures the source's VMM (paused only for its state and the freeze of its
+///    memory: see `mayfly_vmm::persist::fork::fork_from_outside`), links the layers its
+///    disks stack on into each clone's own `vm/`, and makes every clone from one zygote,
+///    each in its own jail as its uid, its files where its sandbox keeps them, its network
+///    where every VMM's is made, with the source's policy. It prints them, held.
+/// 3. Each clone's process (its jail's waiter) is saved in its record and put in its memory
+///    cgroup; then the helper is told `go`, and the clones run.
+///
+/// All or none: a clone that fails, a helper that fails or a manager killed part-way stops
+/// every clone (a held clone whose helper ends without `go` stops itself) and deletes them.
+fn fork_live(
+    manager: &Manager,
+    source: &Sandbox,
+    request: &ForkRequest,
+    names: &[String],
+    net: Option<&str>,
+) -> Result<Option<Value>, ServeError> {
+    use crate::records::State;
+    use crate::util::lock;
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let start = Instant::now();
+    // The source stays as it is (running, not suspended or deleted) until its clones run.
+    let source_inner = lock(&source.inner);
+    if source_inner.record.state != State::Running || source_inner.vmm.is_none() {
+        return Ok(None);
+    }
+    let guest_bytes = source_inner.record.guest_bytes.unwrap_or(0);
+    let id = format!(
+        "{}-{}-{}",
+        source.name,
+        now_ms(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    );
+    let intent = manager.journal.begin(&Intent::Fork {
+        id: id.clone(),
+        source: source.name.clone(),
+        clones: names.to_vec(),
+    })?;
+    let idle = request
+        .idle_timeout_s
+        .or_else(|| source_inner.record.spec.idle_timeout_s);
+    let spec = Spec {
+        idle_timeout_s: idle,
+        acts_for: source_inner.record.spec.acts_for.clone(),
+        no_agent: source_inner.record.spec.agentless(),
+        net: net.map(str::to_owned),
+        ..Spec::default()
+    };
+    let mut made = Made {
+        manager,
+        clones: Vec::with_capacity(names.len()),
+    };
+    // How long the source was paused for its capture (at most), as the helper says.
+    let mut source_paused_ms = 0.0;
+    let result = (|| {
+        // 1. The clones as sandboxes, and their places.
+        let mut placements = Vec::with_capacity(names.len());
+        let mut reserved = Vec::with_capacity(names.len());
+        let limit = guest_bytes.saturating_add(manager.allowance);
+        for name in names {
+            let dir = manager.new_sandbox_dir(name)?;
+            let (sandbox, token) =
+                manager.take_name(name, &dir, spec.clone(), None, Some(&id), now_ms())?;
+            made.clones.push(Clone {
+                sandbox: std::sync::Arc::clone(&sandbox),
+                token,
+                group: None,
+            });
+            let inner = lock(&sandbox.inner);
+            crate::files::make_dirs(&dir, inner.record.uid.filter(|_| inner.record.jailed))?;
+            sandbox.save(&inner)?;
+            reserved.push(manager.reserve_memory(name, limit)?);
+            let group = manager.groups.make(&sandbox.group, limit)?;
+            let v2 = group.as_ref().is_some_and(|g| g.v2);
+            made.clones.last_mut().expect("just pushed").group = group;
+            let vm_dir = sandbox.vm_dir();
+            let sock = sandbox.socket();
+            placements.push(json!({
+                "name": name,
+                "api_sock": sock,
+                "console_log": crate::files::console_log(&dir),
+                "stderr": crate::files::vmm_log(&dir),
+                "vsock": format!("{}.vsock", sock.display()),
+                "disk_dir": vm_dir.join("disks"),
+                "uid": inner.record.uid.filter(|_| inner.record.jailed),
+                "share": [&vm_dir],
+                // A jailed VMM of a cgroup v2 host is in its jail's own group: its limit goes
+                // there (as for any sandbox's VMM, see process::launch).
+                "memory_mib": v2.then(|| limit.div_ceil(1 << 20)),
+                "layers_moved": [source.vm_dir(), &vm_dir],
+            }));
+        }
+        let forks = manager.state_dir().join("forks");
+        std::fs::create_dir_all(&forks).map_err(io_error("make", &forks))?;
+        let place = forks.join(format!("{id}.json"));
+        let placed = json!({ "clones": placements, "policy": net });
+        crate::util::write_atomically(&place, placed.to_string().as_bytes())?;
+        // 2. The helper makes them, held.
+        let helper = Helper::start(manager, &source.socket(), names.len(), &place, &forks, &id);
+        let report = helper.and_then(|mut helper| Ok((helper.report()?, helper)));
+        // Read by now (it reads it before anything else), or never.
+        let _ = std::fs::remove_file(&place);
+        let (report, mut helper) = report?;
+        source_paused_ms = ["pause_ms", "state_ms", "freeze_ms"]
+            .iter()
+            .filter_map(|k| report[k].as_f64())
+            .sum();
+        let listed = report["clones"].as_array().cloned().unwrap_or_default();
+        if listed.len() != names.len() {
+            return Err(ServeError::VmmFailed(format!(
+                "the fork's helper made {} clones of the {} asked for",
+                listed.len(),
+                names.len()
+            )));
+        }
+        // 3. Their processes saved, then let go.
+        for (k, (clone, listed)) in made.clones.iter_mut().zip(&listed).enumerate() {
+            let name = &clone.sandbox.name;
+            if listed["name"].as_str() != Some(name.as_str()) {
+                return Err(ServeError::VmmFailed(format!(
+                    "the fork's helper made {} where {name} was asked for",
+                    listed["name"]
+                )));
+            }
+            let pid = listed["pid"].as_u64().and_then(|p| u32::try_from(p).ok());
+            let vmm_pid = listed["vmm_pid"]
+                .as_u64()
+                .and_then(|p| u32::try_from(p).ok());
+            let group_dir = clone.group.as_ref().map(|g| g.dir.clone());
+            let Some((vmm, pid_start)) = pid.and_then(|pid| Vmm::follow(pid, group_dir)) else {
+                return Err(ServeError::VmmFailed(format!(
+                    "clone {name} ended before it could run"
+                )));
+            };
+            if let Some(group) = &clone.group {
+                // Both the waiter and (on a cgroup v1 host, where the jail's own group holds
+                // no memory limit) the VMM it made before it was moved: the pid the helper
+                // says, taken only if it is the waiter's child.
+                let mut pids = vec![vmm.pid()];
+                if !group.v2 {
+                    pids.extend(vmm_pid.filter(|p| parent_of(*p) == Some(vmm.pid())));
+                }
+                for pid in pids {
+                    use std::io::Write;
+                    (&group.procs)
+                        .write_all(pid.to_string().as_bytes())
+                        .map_err(io_error("move into its memory cgroup", &group.dir))?;
+                }
+            }
+            let mut inner = lock(&clone.sandbox.inner);
+            inner.record.pid = Some(vmm.pid());
+            inner.record.pid_start = Some(pid_start);
+            inner.record.guest_bytes = Some(guest_bytes);
+            inner.record.state = State::Running;
+            inner.record.net_policy = net.map(str::to_owned);
+            inner.vmm = Some(vmm);
+            clone.sandbox.save(&inner)?;
+            drop(inner);
+            manager.crash_point(CrashPoint::AfterClone(k + 1));
+        }
+        drop(reserved);
+        helper.go()?;
+        Ok(())
+    })();
+    drop(source_inner);
+    // Every clone made: the entry goes before the answer (one left would have the next start
+    // undo the clones whose tokens the answer gives out).
+    let mut intent = Some(intent);
+    let result = result.and_then(|()| intent.take().map_or(Ok(()), Pending::done));
+    if let Err(e) = result {
+        // The clones go before the journal entry does: a manager killed meanwhile undoes
+        // them at its next start.
+        drop(made);
+        drop(intent);
+        manager.event(
+            "fork_failed",
+            &source.name,
+            json!({ "error": e.to_string() }),
+        );
+        return Err(match e {
+            ServeError::VmmFailed(m) => ServeError::VmmFailed(format!(
+                "the fork did not make every clone, so no clone was kept: {m}"
+            )),
+            other => other,
+        });
+    }
+    let mut clones = Vec::with_capacity(made.clones.len());
+    for clone in std::mem::take(&mut made.clones) {
+        let record = lock(&clone.sandbox.view).clone();
+        manager.give_credential(&clone.sandbox, &record);
+        let mut described = manager.describe(&clone.sandbox);
+        if let Some(o) = described.as_object_mut() {
+            o.insert("token".into(), Value::String(clone.token));
+        }
+        clones.push(described);
+    }
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    manager.event(
+        "forked",
+        &source.name,
+        json!({ "clones": names, "ms": ms, "source_paused_ms": source_paused_ms }),
+    );
+    Ok(Some(json!({
+        "source": source.name,
+        "clones": clones,
+        "ms": ms,
+        "snapshot_ms": 0.0,
+        "source_paused_ms": source_paused_ms,
+    })))
+}
+
+/// The parent of process `pid`, if it runs.
+fn parent_of(pid: u32) -> Option<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("PPid:"))?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// A clone of a live fork while it is made.
+struct Clone {
+    sandbox: std::sync::Arc<Sandbox>,
+    token: String,
+    group: Option<crate::cgroup::Group>,
+}
+
+/// The clones of a live fork: deleted when dropped with any left in it (a fork that failed).
+struct Made<'a> {
+    manager: &'a Manager,
+    clones: Vec<Clone>,
+}
+
+impl Drop for Made<'_> {
+    fn drop(&mut self) {
+        // A delete ends each one's VMM and removes its memory cgroup and directory.
+        for clone in self.clones.drain(..) {
+            let _ = self.manager.delete(&clone.sandbox);
+        }
+    }
+}
+
+/// The fork's helper, `mayfly fork --place FILE --hold`: it makes the clones and holds them
+/// until told `go` on its stdin; killed if dropped before it has ended.
+struct Helper {
+    child: std::process::Child,
+    log: std::path::PathBuf,
+}
+
+impl Helper {
+    fn start(
+        manager: &Manager,
+        source_sock: &std::path::Path,
+        count: usize,
+        place: &std::path::Path,
+        forks: &std::path::Path,
+        id: &str,
+    ) -> Result<Helper, ServeError> {
+        use std::os::unix::process::CommandExt;
+        use std::process::{Command, Stdio};
+        let log = forks.join(format!("{id}.log"));
+        let err = std::fs::File::create(&log).map_err(io_error("make", &log))?;
+        let mut command = Command::new(&manager.mayfly);
+        command
+            .arg("fork")
+            .arg("--sock")
+            .arg(source_sock)
+            .arg("--count")
+            .arg(count.to_string())
+            .arg("--place")
+            .arg(place)
+            .arg("--hold")
+            .args(&manager.net_args)
+            .env("MAYFLY_CONSOLE_LIMIT", manager.console_limit.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(err)
+            // Its own process group: a Ctrl-C meant for the manager does not reach it.
+            .process_group(0);
+        // SAFETY: between fork and exec the closure only calls prctl(2) with plain integers
+        // (async-signal-safe). The helper ends with the thread that started it (the fork's,
+        // which waits for it), and with it every clone still held.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
+        let child = command
+            .spawn()
+            .map_err(io_error("start", &manager.mayfly))?;
+        Ok(Helper { child, log })
+    }
+
+    /// What it says of the clones once every one is ready (one line of JSON), or why not.
+    fn report(&mut self) -> Result<Value, ServeError> {
+        use std::io::BufRead;
+        let stdout = self.child.stdout.take().expect("piped");
+        let (sender, received) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let read = std::io::BufReader::new(stdout).read_line(&mut line);
+            let _ = sender.send(read.map(|_| line));
+        });
+        let line = match received.recv_timeout(HELPER_TIMEOUT) {
+            Ok(Ok(line)) if !line.trim().is_empty() => line,
+            Ok(_) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                let _ = self.child.wait();
+                return Err(ServeError::VmmFailed(self.said()));
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return Err(ServeError::VmmFailed(format!(
+                    "the clones were not ready within {} s",
+                    HELPER_TIMEOUT.as_secs()
+                )));
+            }
+        };
+        serde_json::from_str(&line).map_err(|e| {
+            ServeError::VmmFailed(format!("the fork's helper said what does not parse: {e}"))
+        })
+    }
+
+    /// Let the clones run, and wait for the helper to end.
+    fn go(&mut self) -> Result<(), ServeError> {
+        use std::io::Write;
+        let told = self
+            .child
+            .stdin
+            .take()
+            .map(|mut stdin| stdin.write_all(b"go\n"));
+        let status = self.child.wait();
+        match (told, status) {
+            (Some(Ok(())), Ok(status)) if status.success() => Ok(()),
+            _ => Err(ServeError::VmmFailed(self.said())),
+        }
+    }
+
+    /// The end of what it wrote to its log.
+    fn said(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let text = text.trim();
+        // Its last 2,000 characters.
+        let from = text.char_indices().rev().nth(1999).map_or(0, |(i, _)| i);
+        match &text[from..] {
+            "" => "the fork's helper ended without a word".into(),
+            said => said.to_string(),
+        }
+    }
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let _ = std::fs::remove_file(&self.log);
+    }
 }

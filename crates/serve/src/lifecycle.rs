@@ -96,37 +96,12 @@ impl Manager {
         token_ttl_s: Option<u64>,
         fork: Option<&str>,
     ) -> Result<(Value, String), ServeError> {
-        if !valid_name(name) {
-            return Err(ServeError::BadRequest(format!(
-                "{name:?} is not a sandbox name: use 1 to 63 lower-case letters, digits and \
-                 hyphens, not starting or ending with a hyphen (a DNS label)"
-            )));
-        }
+        let dir = self.new_sandbox_dir(name)?;
         spec.check().map_err(ServeError::BadRequest)?;
         // A fork's clones take the source's policy, checked once for them all (see `fork.rs`);
         // a template's, only if it is built (see below).
         if fork.is_none() {
             self.check_names("\"net\"", spec.net.as_deref())?;
-        }
-        let dir = self.dir.join("sandboxes").join(name);
-        // The path its VMM binds (see files::socket), and the vsock socket beside it, the
-        // longest path the VMM binds: `<api-sock>.vsock_<port>`.
-        let longest = longest_socket_path(&dir);
-        // A valid name, too long for where this manager keeps its sandboxes: a conflict with
-        // its --state-dir, not a bad request.
-        if longest > mayfly_sys::socket::MAX_SOCKET_PATH {
-            return Err(ServeError::Conflict(format!(
-                "the sandbox's sockets under {} would be {longest} bytes long, over the {} a \
-                 Unix socket path may have: give a shorter name, or serve from a shorter \
-                 --state-dir",
-                dir.display(),
-                mayfly_sys::socket::MAX_SOCKET_PATH
-            )));
-        }
-        if lock(&self.sandboxes).contains_key(name) {
-            return Err(ServeError::Conflict(format!(
-                "a sandbox named {name} exists: pick another name, or delete it first"
-            )));
         }
         if let Some(template) = &mut spec.template {
             // A guest without the agent is not waited for, nor is its template's (the record
@@ -158,53 +133,8 @@ impl Manager {
                 spec.net = None;
             }
         }
-        let token = new_token("mfs_")?;
-        let credential_id = new_token("mci_")?;
         let now = now_ms();
-        // The name is taken (under the map's lock) before anything is made on disk, and a
-        // jailed sandbox gets the lowest uid from the base that no other sandbox has.
-        let sandbox = {
-            let mut all = lock(&self.sandboxes);
-            if all.contains_key(name) || dir.exists() {
-                return Err(ServeError::Conflict(format!(
-                    "a sandbox named {name} exists: pick another name, or delete it first"
-                )));
-            }
-            let uid = if self.jail {
-                Some(self.free_uid(&all)?)
-            } else {
-                None
-            };
-            let record = Record {
-                name: name.to_owned(),
-                spec,
-                state: State::Starting,
-                token_sha256: Some(hash_token(&token)),
-                token_expires_ms: token_ttl_s.map(|ttl| expires_at(now, ttl)),
-                credential: CredentialState {
-                    id: Some(credential_id),
-                    ..CredentialState::default()
-                },
-                pid: None,
-                pid_start: None,
-                created_ms: now,
-                last_used_ms: now,
-                suspended_ms: None,
-                wakes: 0,
-                suspends: 0,
-                died: None,
-                jailed: self.jail,
-                uid,
-                guest_bytes: None,
-                vm_paused: false,
-                fork: fork.map(str::to_owned),
-                ports: Vec::new(),
-                net_policy: None,
-            };
-            let sandbox = Arc::new(Sandbox::new(dir.clone(), record, self.uptime_ms()));
-            all.insert(name.to_owned(), Arc::clone(&sandbox));
-            sandbox
-        };
+        let (sandbox, token) = self.take_name(name, &dir, spec, token_ttl_s, fork, now)?;
         let start = Instant::now();
         let mut inner = lock(&sandbox.inner);
         // Written before anything is made: a manager killed from here until the create
@@ -279,6 +209,97 @@ impl Manager {
         drop(inner);
         self.give_credential(&sandbox, &record);
         Ok((self.describe(&sandbox), token))
+    }
+
+    /// The directory of a new sandbox `name`: refused if the name is no sandbox name (400),
+    /// is taken, or would make its sockets' paths too long (409).
+    pub(crate) fn new_sandbox_dir(&self, name: &str) -> Result<PathBuf, ServeError> {
+        if !valid_name(name) {
+            return Err(ServeError::BadRequest(format!(
+                "{name:?} is not a sandbox name: use 1 to 63 lower-case letters, digits and \
+                 hyphens, not starting or ending with a hyphen (a DNS label)"
+            )));
+        }
+        let dir = self.dir.join("sandboxes").join(name);
+        // The path its VMM binds (see files::socket), and the vsock socket beside it, the
+        // longest path the VMM binds: `<api-sock>.vsock_<port>`.
+        let longest = longest_socket_path(&dir);
+        // A valid name, too long for where this manager keeps its sandboxes: a conflict with
+        // its --state-dir, not a bad request.
+        if longest > mayfly_sys::socket::MAX_SOCKET_PATH {
+            return Err(ServeError::Conflict(format!(
+                "the sandbox's sockets under {} would be {longest} bytes long, over the {} a \
+                 Unix socket path may have: give a shorter name, or serve from a shorter \
+                 --state-dir",
+                dir.display(),
+                mayfly_sys::socket::MAX_SOCKET_PATH
+            )));
+        }
+        if lock(&self.sandboxes).contains_key(name) {
+            return Err(ServeError::Conflict(format!(
+                "a sandbox named {name} exists: pick another name, or delete it first"
+            )));
+        }
+        Ok(dir)
+    }
+
+    /// Take `name` for a new sandbox of `spec` in `dir` (under the map's lock, before
+    /// anything is made on disk), with a new token (returned) and credential ID, and, jailed,
+    /// the lowest uid from the base that no other sandbox has. Its record says Starting.
+    pub(crate) fn take_name(
+        &self,
+        name: &str,
+        dir: &Path,
+        spec: Spec,
+        token_ttl_s: Option<u64>,
+        fork: Option<&str>,
+        now: u64,
+    ) -> Result<(Arc<Sandbox>, String), ServeError> {
+        let token = new_token("mfs_")?;
+        let credential_id = new_token("mci_")?;
+        let sandbox = {
+            let mut all = lock(&self.sandboxes);
+            if all.contains_key(name) || dir.exists() {
+                return Err(ServeError::Conflict(format!(
+                    "a sandbox named {name} exists: pick another name, or delete it first"
+                )));
+            }
+            let uid = if self.jail {
+                Some(self.free_uid(&all)?)
+            } else {
+                None
+            };
+            let record = Record {
+                name: name.to_owned(),
+                spec,
+                state: State::Starting,
+                token_sha256: Some(hash_token(&token)),
+                token_expires_ms: token_ttl_s.map(|ttl| expires_at(now, ttl)),
+                credential: CredentialState {
+                    id: Some(credential_id),
+                    ..CredentialState::default()
+                },
+                pid: None,
+                pid_start: None,
+                created_ms: now,
+                last_used_ms: now,
+                suspended_ms: None,
+                wakes: 0,
+                suspends: 0,
+                died: None,
+                jailed: self.jail,
+                uid,
+                guest_bytes: None,
+                vm_paused: false,
+                fork: fork.map(str::to_owned),
+                ports: Vec::new(),
+                net_policy: None,
+            };
+            let sandbox = Arc::new(Sandbox::new(dir.to_path_buf(), record, self.uptime_ms()));
+            all.insert(name.to_owned(), Arc::clone(&sandbox));
+            sandbox
+        };
+        Ok((sandbox, token))
     }
 
     /// Refuse (400) a create from a request whose files are not in this manager's images

@@ -87,6 +87,25 @@ impl Vmm {
         }
     }
 
+    /// Follow a VMM this manager did not start as its child (a fork's clone, made by the
+    /// zygote of the fork's helper, or its jail's waiter): its pidfd and start time, or None
+    /// if `pid` is no process now.
+    pub fn follow(pid: u32, cgroup: Option<std::path::PathBuf>) -> Option<(Vmm, u64)> {
+        let start = start_time(pid)?;
+        let pidfd = mayfly_sys::pidfd::open(libc::pid_t::try_from(pid).ok()?).ok()?;
+        // Checked again now that the pidfd is held: the pid cannot change hands from here on.
+        if start_time(pid) != Some(start) {
+            return None;
+        }
+        let vmm = Vmm {
+            pid,
+            pidfd,
+            child: None,
+            cgroup,
+        };
+        Some((vmm, start))
+    }
+
     /// Ask it to shut down on its socket; kill it if it has not ended in a few seconds.
     pub fn stop(&mut self, sock: &Path) {
         let _ = mayfly_api::request_with_timeout(sock, "PUT", "/vm/shutdown", None, STOP_TIMEOUT);
@@ -112,21 +131,8 @@ fn start_time(pid: u32) -> Option<u64> {
 /// The process a record names, if it is still that process: the same pid, started at the
 /// same time (a pid used again by another process is never taken for it).
 pub fn find_process(record: &Record) -> Option<Vmm> {
-    let pid = record.pid?;
-    if record.pid_start.is_none() || start_time(pid) != record.pid_start {
-        return None;
-    }
-    let pidfd = mayfly_sys::pidfd::open(libc::pid_t::try_from(pid).ok()?).ok()?;
-    // Checked again now that the pidfd is held: the pid cannot change hands from here on.
-    if start_time(pid) != record.pid_start {
-        return None;
-    }
-    Some(Vmm {
-        pid,
-        pidfd,
-        child: None,
-        cgroup: None,
-    })
+    let (vmm, start) = Vmm::follow(record.pid?, None)?;
+    (Some(start) == record.pid_start).then_some(vmm)
 }
 
 /// The processes started for a VMM control socket, found by their command lines (and only

@@ -41,11 +41,16 @@ impl Manager {
     pub fn recover(&self) {
         let vmms = VmmsBySocket::scan();
         self.remove_unfinished_templates(&vmms);
-        // Fork bases live only while their fork request runs: any left are a killed
-        // manager's (its clones, if made, hold links to the files they need).
+        // Fork bases, and a live fork's placement and helper log, live only while their fork
+        // request runs: any left are a killed manager's (its clones, if made, hold links to
+        // the files they need).
         if let Ok(entries) = std::fs::read_dir(self.dir.join("forks")) {
             for entry in entries.flatten() {
-                let _ = std::fs::remove_dir_all(entry.path());
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    let _ = std::fs::remove_dir_all(entry.path());
+                } else {
+                    let _ = std::fs::remove_file(entry.path());
+                }
             }
         }
         self.replay_journal(&vmms);
@@ -288,9 +293,11 @@ impl Manager {
             vmm.kill();
         }
         ended.extend(vmms.end(&socket(&dir), None));
-        // Its memory cgroup: the start's sweep left it while the VMM was in it.
+        // Its memory cgroup: the start's sweep left it while the VMM was in it, and whatever
+        // of its VMM is still in it ends now (a fork's clone, its jail's waiter still
+        // cleaning up after its VMM).
         if let Some(group) = self.groups.path(&format!("s-{name}")) {
-            crate::cgroup::remove(&group);
+            crate::cgroup::end_and_remove(&group);
         }
         match std::fs::remove_dir_all(&dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {

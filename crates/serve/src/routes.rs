@@ -616,7 +616,9 @@ fn pass_to_vmm(
     vm: &str,
     client: &UnixStream,
 ) -> Result<(), Refused> {
-    if vm == "/vm/fork" && request.method == "PUT" {
+    // Every fork route: a capture (the first half of a fork made outside the VMM) is the
+    // manager's own to ask for, and only while it forks.
+    if vm == "/vm/fork" || vm.starts_with("/vm/fork/") {
         return Err(Refused::new(
             409,
             "a sandbox is forked by the manager, which names its clones: POST \

@@ -41,6 +41,9 @@ pub struct RestoreTargets {
     pub disk_dir: Option<PathBuf>,
     /// Layers named by full path must lie in here (see [`crate::devices::disks::open_for_restore`]).
     pub layers_within: Option<PathBuf>,
+    /// Layers named by full path under `.0` are opened at the same place under `.1` (a
+    /// sandbox manager's clone: its own links to its source's layers).
+    pub layers_moved: Option<(PathBuf, PathBuf)>,
     /// Where the NIC's network is made (if the snapshot has a NIC), and with what.
     pub net: NetTargets,
 }

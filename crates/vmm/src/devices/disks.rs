@@ -394,6 +394,7 @@ pub fn open_for_restore(
     snapshot_dir: Option<&Path>,
     dir: Option<&Path>,
     layers_within: Option<&Path>,
+    layers_moved: Option<&(PathBuf, PathBuf)>,
 ) -> Result<Disk, DiskSetupError> {
     let mut chain = state.chain.clone();
     // Full paths from here on: a fork of this VM hands them to clones, the manifest keeps
@@ -417,8 +418,15 @@ pub fn open_for_restore(
                 }
             })?;
             *layer = real;
-        } else if let Some(within) = layers_within {
-            *layer = resolve_within(layer, within)?;
+        } else {
+            if let Some((from, to)) = layers_moved {
+                if let Ok(rest) = layer.strip_prefix(from) {
+                    *layer = to.join(rest);
+                }
+            }
+            if let Some(within) = layers_within {
+                *layer = resolve_within(layer, within)?;
+            }
         }
     }
     let found = base_identity(&chain.base)?;

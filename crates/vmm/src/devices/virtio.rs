@@ -156,6 +156,7 @@ pub fn restore(
                 targets.snapshot_dir.as_deref(),
                 targets.disk_dir.as_deref(),
                 targets.layers_within.as_deref(),
+                targets.layers_moved.as_ref(),
             )
             .map_err(|source| DeviceError::Disk {
                 serial: serial.clone(),

@@ -488,15 +488,19 @@ fn claim_clone_files(
     name: &str,
     disks: bool,
 ) -> Result<Option<(CloneInfo, LogIdentity)>, ForkError> {
+    let input = dir.join(format!("{name}.in"));
     let info = CloneInfo {
         api_sock: dir.join(format!("{name}.sock")),
         console_log: dir.join(format!("{name}.log")),
-        console_input: dir.join(format!("{name}.in")),
+        console_input: Some(input.clone()),
         vsock: dir.join(format!("{name}.vsock")),
         vsock_cid: 0,
         disk_dir: disks.then(|| dir.join(format!("{name}.disks"))),
         net: None,
         jail: None,
+        vmm_pid: None,
+        policy: None,
+        layers_moved: None,
         name: name.to_string(),
         index: 0,
         pid: 0,
@@ -504,7 +508,7 @@ fn claim_clone_files(
     };
     let exists = |p: &Path| std::fs::symlink_metadata(p).is_ok();
     if exists(&info.api_sock)
-        || exists(&info.console_input)
+        || exists(&input)
         || exists(&info.vsock)
         || info.disk_dir.as_deref().is_some_and(exists)
     {
@@ -520,7 +524,7 @@ fn claim_clone_files(
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(None),
         Err(e) => return Err(io(format!("create {}", info.console_log.display()))(e)),
     };
-    let claimed = mkfifo(&info.console_input).and_then(|()| match &info.disk_dir {
+    let claimed = mkfifo(&input).and_then(|()| match &info.disk_dir {
         // Made here, not by the clone: the name is claimed only once all of it is.
         Some(disks) => {
             use std::os::unix::fs::DirBuilderExt;
@@ -528,7 +532,7 @@ fn claim_clone_files(
                 .mode(0o700)
                 .create(disks)
                 .inspect_err(|_| {
-                    let _ = std::fs::remove_file(&info.console_input);
+                    let _ = std::fs::remove_file(&input);
                 })
         }
         None => Ok(()),
@@ -550,10 +554,7 @@ fn claim_clone_files(
         }
         Err(e) => {
             let _ = std::fs::remove_file(&info.console_log);
-            Err(io(format!(
-                "create the FIFO {}",
-                info.console_input.display()
-            ))(e))
+            Err(io(format!("create the FIFO {}", input.display()))(e))
         }
     }
 }
@@ -634,11 +635,13 @@ fn fork_paused(
     let parent = vm.info.identity.name.clone();
     let clones = Clones {
         parent: &parent,
-        prefix: request
-            .name_prefix
-            .clone()
-            .unwrap_or_else(|| format!("{parent}-")),
-        count: request.count,
+        names: Naming::Numbered {
+            prefix: request
+                .name_prefix
+                .clone()
+                .unwrap_or_else(|| format!("{parent}-")),
+            count: request.count,
+        },
         dir,
         disks: frozen.disks,
         net: vm.devices.net_settings().cloned(),
@@ -712,9 +715,8 @@ fn freeze(vm: &mut Machine, start: Instant, pause_ms: f64) -> Result<Frozen, For
 /// The clones of one fork, as they are to be made (steps 3 and 4).
 struct Clones<'a> {
     parent: &'a str,
-    prefix: String,
-    count: u32,
-    /// Their files go here (beside the parent's control socket).
+    names: Naming,
+    /// Their files go here (beside the parent's control socket) when they are numbered.
     dir: &'a Path,
     disks: bool,
     net: Option<crate::devices::net::NetSettings>,
@@ -722,54 +724,178 @@ struct Clones<'a> {
     jail: Option<&'a mayfly_jail::jail::JailConfig>,
 }
 
+/// How a fork's clones are named and where their files go.
+enum Naming {
+    /// `<prefix><n>` beside the parent's socket, for the first `count` numbers free.
+    Numbered { prefix: String, count: u32 },
+    /// As their maker placed them (see [`Placement`]).
+    Placed {
+        clones: Vec<Placement>,
+        policy: Option<String>,
+    },
+}
+
+/// What the maker of a fork from outside says of its clones, each placed (see
+/// [`fork_from_outside`]).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Placed {
+    pub clones: Vec<Placement>,
+    /// Their NICs' policy (default: the one the parent's state holds).
+    #[serde(default)]
+    pub policy: Option<String>,
+}
+
+/// Where one clone of a fork made from outside goes when its maker places it: the sandbox
+/// manager makes each clone a sandbox of its own, with its files in its own directory and a
+/// uid of its own.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Placement {
+    pub name: String,
+    pub api_sock: PathBuf,
+    /// Its console's output.
+    pub console_log: PathBuf,
+    /// Where its VMM's own output goes (created if missing, appended to); default: its
+    /// console log.
+    #[serde(default)]
+    pub stderr: Option<PathBuf>,
+    pub vsock: PathBuf,
+    /// Where its writable disks' layers go.
+    #[serde(default)]
+    pub disk_dir: Option<PathBuf>,
+    /// Its jail's uid and gid (a jailed parent's clones), instead of the parent's.
+    #[serde(default)]
+    pub uid: Option<u32>,
+    /// Its jail's shared directories, instead of the parent's.
+    #[serde(default)]
+    pub share: Option<Vec<PathBuf>>,
+    /// Its jail's memory limit (MiB), instead of the parent's.
+    #[serde(default)]
+    pub memory_mib: Option<u64>,
+    /// Layers the parent's state names under `.0` are its own links under `.1`.
+    #[serde(default)]
+    pub layers_moved: Option<(PathBuf, PathBuf)>,
+}
+
+impl Placement {
+    /// This clone, and where its stderr goes opened (created if need be, never through a
+    /// symlink).
+    fn claim(
+        &self,
+        index: u32,
+        jail: Option<&mayfly_jail::jail::JailConfig>,
+        policy: Option<&String>,
+    ) -> Result<(CloneInfo, File), ForkError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        crate::identity::check_name(&self.name)?;
+        let open = |path: &Path| {
+            File::options()
+                .append(true)
+                .create(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(path)
+                .map_err(io(format!("open {}", path.display())))
+        };
+        // Made here (the clone's console opens it as it is).
+        let console = open(&self.console_log)?;
+        let log = match &self.stderr {
+            Some(stderr) => open(stderr)?,
+            None => console,
+        };
+        let jail = jail.map(|jail| mayfly_jail::jail::JailConfig {
+            uid: self.uid.unwrap_or(jail.uid),
+            gid: self.uid.unwrap_or(jail.gid),
+            share: self.share.clone().unwrap_or_else(|| jail.share.clone()),
+            memory_mib: self.memory_mib.or(jail.memory_mib),
+            ..jail.clone()
+        });
+        let info = CloneInfo {
+            name: self.name.clone(),
+            index,
+            pid: 0,
+            api_sock: self.api_sock.clone(),
+            console_log: self.console_log.clone(),
+            console_input: None,
+            vsock: self.vsock.clone(),
+            vsock_cid: clone_cid()?,
+            disk_dir: self.disk_dir.clone(),
+            net: None,
+            jail,
+            vmm_pid: None,
+            policy: policy.cloned(),
+            layers_moved: self.layers_moved.clone(),
+            ready_ms: 0.0,
+        };
+        Ok((info, log))
+    }
+}
+
 impl Clones<'_> {
-    /// Claim the clones' names, numbered from `next` on (names in use are skipped), and
-    /// start them from `zygote`; they are ready and held when this returns.
+    /// Claim the clones' names, numbered from `next` on (names in use are skipped), or as
+    /// placed, and start them from `zygote`; they are ready and held when this returns.
     fn start(
         self,
         zygote: Zygote,
         next: &mut u32,
         start: Instant,
     ) -> Result<(Vec<CloneInfo>, Release), ForkError> {
-        let mut claimed = Vec::with_capacity(self.count as usize);
+        let mut claimed = Vec::new();
         let mut logs = std::collections::HashMap::new();
-        let mut skipped = 0u32;
-        while claimed.len() < self.count as usize {
-            if skipped > MAX_SKIPPED_NAMES {
-                return Err(ForkError::NamesInUse {
-                    dir: self.dir.to_path_buf(),
-                    prefix: self.prefix,
-                });
+        let mut placed_logs = std::collections::HashMap::new();
+        match &self.names {
+            Naming::Numbered { prefix, count } => {
+                let mut skipped = 0u32;
+                while claimed.len() < *count as usize {
+                    if skipped > MAX_SKIPPED_NAMES {
+                        return Err(ForkError::NamesInUse {
+                            dir: self.dir.to_path_buf(),
+                            prefix: prefix.clone(),
+                        });
+                    }
+                    let index = *next;
+                    *next = index.checked_add(1).ok_or(ForkError::NamesExhausted)?;
+                    let name = format!("{prefix}{index}");
+                    crate::identity::check_name(&name)?;
+                    // A name in use (by a live clone of an earlier fork) is skipped, not reused.
+                    let Some((info, log)) = claim_clone_files(self.dir, &name, self.disks)? else {
+                        skipped += 1;
+                        continue;
+                    };
+                    logs.insert(index, log);
+                    if let (Some(jail), Some(input)) = (self.jail, &info.console_input) {
+                        // A jailed clone opens its console's FIFO once it runs as its uid.
+                        std::os::unix::fs::lchown(input, Some(jail.uid), Some(jail.gid))
+                            .map_err(io(format!("give {} to the jail's uid", input.display())))?;
+                    }
+                    claimed.push(CloneInfo {
+                        index,
+                        vsock_cid: clone_cid()?,
+                        net: self.net.clone(),
+                        jail: self.jail.cloned(),
+                        ..info
+                    });
+                }
             }
-            let index = *next;
-            *next = index.checked_add(1).ok_or(ForkError::NamesExhausted)?;
-            let name = format!("{}{index}", self.prefix);
-            crate::identity::check_name(&name)?;
-            // A name in use (by a live clone of an earlier fork) is skipped, not reused.
-            let Some((info, log)) = claim_clone_files(self.dir, &name, self.disks)? else {
-                skipped += 1;
-                continue;
-            };
-            logs.insert(index, log);
-            if let Some(jail) = self.jail {
-                // A jailed clone opens its console's FIFO once it runs as the jail's uid.
-                std::os::unix::fs::lchown(&info.console_input, Some(jail.uid), Some(jail.gid))
-                    .map_err(io(format!(
-                        "give {} to the jail's uid",
-                        info.console_input.display()
-                    )))?;
+            Naming::Placed { clones, policy } => {
+                for placement in clones {
+                    let index = *next;
+                    *next = index.checked_add(1).ok_or(ForkError::NamesExhausted)?;
+                    let (info, log) = placement.claim(index, self.jail, policy.as_ref())?;
+                    placed_logs.insert(index, log);
+                    claimed.push(CloneInfo {
+                        net: self.net.clone(),
+                        ..info
+                    });
+                }
             }
-            let vsock_cid = clone_cid()?;
-            claimed.push(CloneInfo {
-                index,
-                vsock_cid,
-                net: self.net.clone(),
-                jail: self.jail.cloned(),
-                ..info
-            });
         }
         mayfly_sys::trace::event("fork_clones_claimed");
-        let open_log = |info: &CloneInfo| reopen_log(info, logs.get(&info.index));
+        let open_log = |info: &CloneInfo| match placed_logs.get(&info.index) {
+            Some(log) => log.try_clone(),
+            None => reopen_log(info, logs.get(&info.index)),
+        };
         let started = zygote.start_clones(self.parent, claimed, &open_log, start, READY_TIMEOUT)?;
         mayfly_sys::trace::event("fork_clones_ready");
         Ok(started)
@@ -863,8 +989,25 @@ pub fn capture(
 ///    each beside the parent's socket and each making itself a jail as its parent's: its own
 ///    namespaces, cgroup and root, the parent's uid and gid as the kernel says them, and a
 ///    waiter outside that keeps its network.
-pub fn fork_from_outside(api_sock: &Path, request: &ForkRequest) -> Result<ForkReport, ForkError> {
+///
+/// A maker that places the clones itself (the sandbox manager) gives `placed`: their names,
+/// files, uids and policy, and `net`, where their networks are made; its parent need not be
+/// jailed then (its clones are not, either).
+pub fn fork_from_outside(
+    api_sock: &Path,
+    request: &ForkRequest,
+    placed: Option<Placed>,
+    net: Option<crate::devices::net::NetSettings>,
+) -> Result<ForkReport, ForkError> {
     let start = Instant::now();
+    if placed
+        .as_ref()
+        .is_some_and(|p| p.clones.len() != request.count as usize)
+    {
+        return Err(ForkError::Capture(
+            "the clones placed are not as many as the count asked for".into(),
+        ));
+    }
     let dir = api_sock.parent().ok_or(ForkError::NoSocket)?;
     let body = serde_json::json!({
         "count": request.count,
@@ -882,52 +1025,84 @@ pub fn fork_from_outside(api_sock: &Path, request: &ForkRequest) -> Result<ForkR
             error: answer["error"].as_str().unwrap_or("").to_string(),
         });
     }
-    let captured: Captured = serde_json::from_value(answer)
-        .map_err(|e| ForkError::Capture(format!("its answer does not parse: {e}")))?;
-    // 2. Its descriptors.
-    let take = |fd: i32, what: &str| {
-        mayfly_sys::pidfd::get_fd(&server, fd)
-            .map(File::from)
-            .map_err(io(format!(
-                "take the fork's {what} from the VMM (pidfd_getfd)"
-            )))
-    };
-    let taken = take(captured.state_fd, "state")
-        .and_then(|state| Ok((state, take(captured.memory_fd, "memory")?)));
-    // Let go either way: what it holds is the VMM's memory.
+    // 2. Its descriptors, and then the VMM lets go of them, whatever happens: what it holds
+    // is its memory.
+    let taken = serde_json::from_value::<Captured>(answer)
+        .map_err(|e| ForkError::Capture(format!("its answer does not parse: {e}")))
+        .and_then(|captured| {
+            let take = |fd: i32, what: &str| {
+                let file = mayfly_sys::pidfd::get_fd(&server, fd)
+                    .map(File::from)
+                    .map_err(io(format!(
+                        "take the fork's {what} from the VMM (pidfd_getfd)"
+                    )))?;
+                // Sealed (by the VMM, before anything mapped it): not even that VMM can
+                // change what the clones restore, whatever it runs.
+                // SAFETY: fcntl on a descriptor this process owns; it only reads its seals.
+                let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+                let wanted = libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+                if seals < 0 || seals & wanted != wanted {
+                    return Err(ForkError::Capture(format!(
+                        "its {what} is not a sealed file: it could change under the clones"
+                    )));
+                }
+                Ok(file)
+            };
+            let state = take(captured.state_fd, "state")?;
+            let base = take(captured.memory_fd, "memory")?;
+            Ok((captured, state, base))
+        });
     let _ = mayfly_api::request(api_sock, "PUT", "/vm/fork/release", None);
-    let (state, base) = taken?;
-    // SAFETY: fcntl on a descriptor this process owns; it only reads its seals.
-    let seals = unsafe { libc::fcntl(state.as_raw_fd(), libc::F_GET_SEALS) };
-    if seals < 0 || seals & libc::F_SEAL_WRITE == 0 {
-        return Err(ForkError::Capture(
-            "its state is not a sealed file: it could change under the clones".into(),
-        ));
+    let (captured, state, base) = taken?;
+    let jail = match (&captured.jail, &placed) {
+        // The clones' jail is the parent's as the kernel says it, not as its answer does.
+        (Some(claimed), _) => {
+            let pid = pid_of(&server).map_err(io("find the VMM's process"))?;
+            let jail = mayfly_jail::jail::config_of(pid, claimed)
+                .map_err(|e| ForkError::Capture(e.to_string()))?;
+            if pid_of(&server).ok() != Some(pid) {
+                return Err(ForkError::Capture("the VMM ended".into()));
+            }
+            Some(jail)
+        }
+        // Clones placed with uids of their own are to be jailed: a parent that says it is
+        // not (its VMM's word) forks none.
+        (None, Some(placed)) if placed.clones.iter().any(|c| c.uid.is_some()) => {
+            return Err(ForkError::Capture(
+                "the VM says it is not jailed, but its clones are to be: it is not forked".into(),
+            ))
+        }
+        (None, Some(_)) => None,
+        (None, None) => {
+            return Err(ForkError::Capture(
+                "the VM is not jailed: fork it with PUT /vm/fork".into(),
+            ))
+        }
+    };
+    // 3. The clones, placed ones with their own links to the layers they stack on.
+    if let Some(placed) = &placed {
+        link_moved_layers(&state, &placed.clones)?;
     }
-    let claimed = captured.jail.as_ref().ok_or_else(|| {
-        ForkError::Capture("the VM is not jailed: fork it with PUT /vm/fork".into())
-    })?;
-    // The clones' jail is the parent's as the kernel says it, not as its answer does.
-    let pid = pid_of(&server).map_err(io("find the VMM's process"))?;
-    let jail = mayfly_jail::jail::config_of(pid, claimed)
-        .map_err(|e| ForkError::Capture(e.to_string()))?;
-    if pid_of(&server).ok() != Some(pid) {
-        return Err(ForkError::Capture("the VMM ended".into()));
-    }
-    // 3. The clones.
     let zygote = Zygote::spawn(&state, &base)?;
     let zygote_ms = start.elapsed().as_secs_f64() * 1e3;
+    let names = match placed {
+        Some(Placed { clones, policy }) => Naming::Placed { clones, policy },
+        None => Naming::Numbered {
+            prefix: request
+                .name_prefix
+                .clone()
+                .unwrap_or_else(|| format!("{}-", captured.parent)),
+            count: request.count,
+        },
+    };
     let clones = Clones {
         parent: &captured.parent,
-        prefix: request
-            .name_prefix
-            .clone()
-            .unwrap_or_else(|| format!("{}-", captured.parent)),
-        count: request.count,
+        names,
         dir,
         disks: captured.disks,
-        net: captured.net.clone(),
-        jail: Some(&jail),
+        // A parent with a NIC gives its clones one; where it is made, their maker may say.
+        net: captured.net.clone().map(|own| net.unwrap_or(own)),
+        jail: jail.as_ref(),
     };
     let mut next = captured.first_clone;
     let (clones, release) = clones.start(zygote, &mut next, start)?;
@@ -942,6 +1117,91 @@ pub fn fork_from_outside(api_sock: &Path, request: &ForkRequest) -> Result<ForkR
         total_ms: start.elapsed().as_secs_f64() * 1e3,
         release,
     })
+}
+
+/// Give each placed clone its own links to the layers its parent's disks stack on under
+/// `layers_moved.0` (its maker's layout: the parent's own directory), at the same place
+/// under `layers_moved.1`: the clone then opens (and its snapshots name) files of its own
+/// only, and they outlive the parent. Only plain files are linked: what else is there (the
+/// parent's VMM writes that directory) is left for the clone's restore to refuse.
+fn link_moved_layers(state: &File, placements: &[Placement]) -> Result<(), ForkError> {
+    use mayfly_devices::state::VirtioKindState;
+    let (_, vm): (_, mayfly_snapshot::state::VmState) =
+        mayfly_snapshot::file::read_state(state, Path::new("the fork's state"))?;
+    let layers: Vec<&PathBuf> = vm
+        .devices
+        .virtio
+        .iter()
+        .filter_map(|device| match &device.device {
+            VirtioKindState::Block(block) => Some(&block.chain.layers),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    for placement in placements {
+        let Some((from, to)) = &placement.layers_moved else {
+            continue;
+        };
+        for layer in &layers {
+            let Ok(rest) = layer.strip_prefix(from) else {
+                continue;
+            };
+            if rest
+                .components()
+                .any(|c| !matches!(c, std::path::Component::Normal(_)))
+            {
+                continue;
+            }
+            // Opened strictly beneath the parent's directory with no symbolic link followed
+            // (the parent's VMM, running, writes there): what is linked is what is there.
+            let Ok((file, _)) = mayfly_sys::beneath::open_no_links(from, rest) else {
+                continue;
+            };
+            if !file.metadata().is_ok_and(|m| m.is_file()) {
+                continue;
+            }
+            let link = to.join(rest);
+            if let Some(dir) = link.parent() {
+                std::fs::create_dir_all(dir).map_err(io(format!("make {}", dir.display())))?;
+            }
+            match link_open_file(&file, &link) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => {
+                    return Err(io(format!(
+                        "link {} at {}",
+                        layer.display(),
+                        link.display()
+                    ))(e))
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A new name `link` for the open `file` (linkat through /proc/self/fd, following that one
+/// link: the file itself, whatever has happened to its path since).
+fn link_open_file(file: &File, link: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let from = std::ffi::CString::new(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    let to = std::ffi::CString::new(link.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: linkat with two valid NUL-terminated paths; the result is checked.
+    let rc = unsafe {
+        libc::linkat(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::AT_SYMLINK_FOLLOW,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// The pid of the process behind `pidfd`, from the pidfd's own fdinfo (an ended process's

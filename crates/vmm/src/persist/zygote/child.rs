@@ -396,10 +396,22 @@ pub(crate) fn become_clone(
         }
         mayfly_sys::trace::event("clone_jailed");
     }
+    let policy = match clone
+        .policy
+        .as_deref()
+        .map(crate::devices::net::parse_policy)
+        .transpose()
+    {
+        Ok(policy) => policy,
+        Err(err) => {
+            report.failed(&format!("its policy: {err}"));
+            std::process::exit(1);
+        }
+    };
     let instance = Instance {
         origin: format!("fork of {parent}"),
         console: Console::Log(clone.console_log.clone()),
-        console_input: Some(clone.console_input.clone()),
+        console_input: clone.console_input.clone(),
         api_sock: Some(clone.api_sock.clone()),
         // Held until the fork has every clone ready (see [`crate::persist::zygote::ForkEnd`]).
         paused: true,
@@ -410,10 +422,12 @@ pub(crate) fn become_clone(
             vsock_cid: Some(clone.vsock_cid),
             snapshot_dir: None,
             disk_dir: clone.disk_dir.clone(),
-            layers_within: None,
+            // A manager's clone opens its own links to its source's layers, and no others.
+            layers_within: clone.layers_moved.as_ref().map(|(_, to)| to.clone()),
+            layers_moved: clone.layers_moved.clone(),
             net: crate::devices::net::NetTargets {
                 settings: clone.net.clone().unwrap_or_default(),
-                policy: None,
+                policy,
                 new_mac: true,
             },
         },

@@ -19,7 +19,8 @@ pub struct CloneInfo {
     /// Its serial console's output.
     pub console_log: PathBuf,
     /// A FIFO: what is written to it is typed into the clone's serial console.
-    pub console_input: PathBuf,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub console_input: Option<PathBuf>,
     /// Its vsock socket (the guest agent is reached through it).
     pub vsock: PathBuf,
     /// Its vsock CID, its own.
@@ -36,6 +37,18 @@ pub struct CloneInfo {
     /// namespaces, a cgroup and a root of its own, and its parent's uid.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub jail: Option<mayfly_jail::jail::JailConfig>,
+    /// A jailed clone's VMM (`pid` is then its jail's waiter, which the VMM dies with, and
+    /// which ends as the VMM does).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub vmm_pid: Option<u32>,
+    /// Its NIC's policy, when not the one its parent's state holds.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub policy: Option<String>,
+    /// Layers its parent's state names under `.0` are opened at the same place under `.1`,
+    /// and none outside `.1` (a sandbox manager's clone, see
+    /// [`crate::devices::config::RestoreTargets::layers_moved`]).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub layers_moved: Option<(PathBuf, PathBuf)>,
     /// From the fork request until this clone reported that it is ready to run.
     #[serde(default)]
     pub ready_ms: f64,

@@ -123,9 +123,6 @@ impl Drop for Release {
 pub(crate) struct Pending {
     info: CloneInfo,
     pidfd: Option<OwnedFd>,
-    /// A jailed clone's VMM, as its Ready says it (the process followed is its jail's waiter,
-    /// the zygote's child; the VMM dies with it).
-    jailed_pid: Option<u32>,
     /// The zygote said whether it made this clone's process (Forked or NotForked), or can no
     /// longer say.
     answered: bool,
@@ -378,7 +375,7 @@ impl Follow {
                     self.answer(index);
                 } else if let Some(entry) = self.pending.get_mut(&index) {
                     if entry.info.jail.is_some() {
-                        entry.jailed_pid = Some(pid);
+                        entry.info.vmm_pid = Some(pid);
                     }
                 }
                 self.settle(index, Ok(()));
@@ -484,7 +481,6 @@ pub(crate) fn follow(
                     Pending {
                         info,
                         pidfd: None,
-                        jailed_pid: None,
                         answered: false,
                         outcome: None,
                     },
@@ -531,12 +527,7 @@ pub(crate) fn follow(
     Ok(order
         .iter()
         .filter_map(|index| pending.remove(index))
-        .filter_map(|mut entry| {
-            if let Some(pid) = entry.jailed_pid {
-                entry.info.pid = pid;
-            }
-            Some((entry.info, entry.pidfd?))
-        })
+        .filter_map(|entry| Some((entry.info, entry.pidfd?)))
         .collect())
 }
 
