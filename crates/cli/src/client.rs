@@ -144,7 +144,31 @@ fn fork_from_outside(args: &ForkArgs) -> ExitCode {
         overcommit: args.overcommit,
     };
     let sock = std::path::absolute(&args.sock.sock).unwrap_or(args.sock.sock.clone());
-    match mayfly_vmm::persist::fork::fork_from_outside(&sock, &request, placed, net) {
+    let say = |line: &serde_json::Value| {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{line}").and_then(|()| out.flush())
+    };
+    // With --hold, the one who holds the clones hears first that the parent is free, then
+    // the clones (or why not), one line of JSON each.
+    let mut on_captured = || {
+        if args.hold {
+            let _ = say(&serde_json::json!({ "captured": true }));
+        }
+    };
+    let forked = mayfly_vmm::persist::fork::fork_from_outside(
+        &sock,
+        &request,
+        placed,
+        net,
+        &mut on_captured,
+    );
+    match forked {
+        Err(err) if args.hold => {
+            let _ =
+                say(&serde_json::json!({ "error": err.to_string(), "status": err.http_status() }));
+            fail(err)
+        }
         Ok(report) => {
             let printed = serde_json::to_string(&report)
                 .map_err(std::io::Error::other)

@@ -305,8 +305,10 @@ fn fork_live(
     use crate::util::lock;
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let start = Instant::now();
-    // The source stays as it is (running, not suspended or deleted) until its clones run.
-    let source_inner = lock(&source.inner);
+    // The source stays as it is (running, not suspended or deleted) until the helper has
+    // captured it (its state and memory taken, its layers linked for the clones).
+    let mut source_lock = Some(lock(&source.inner));
+    let source_inner = source_lock.as_ref().expect("just locked");
     if source_inner.record.state != State::Running || source_inner.vmm.is_none() {
         return Ok(None);
     }
@@ -383,10 +385,13 @@ fn fork_live(
         crate::util::write_atomically(&place, placed.to_string().as_bytes())?;
         // 2. The helper makes them, held.
         let helper = Helper::start(manager, &source.socket(), names.len(), &place, &forks, &id);
-        let report = helper.and_then(|mut helper| Ok((helper.report()?, helper)));
+        let captured = helper.and_then(|mut helper| helper.captured().map(|()| helper));
         // Read by now (it reads it before anything else), or never.
         let _ = std::fs::remove_file(&place);
-        let (report, mut helper) = report?;
+        let mut helper = captured?;
+        // Nothing more is needed of the source: its own requests, a sleep or a delete go on.
+        drop(source_lock.take());
+        let report = helper.report()?;
         source_paused_ms = ["pause_ms", "state_ms", "freeze_ms"]
             .iter()
             .filter_map(|k| report[k].as_f64())
@@ -448,7 +453,7 @@ fn fork_live(
         helper.go()?;
         Ok(())
     })();
-    drop(source_inner);
+    drop(source_lock);
     // Every clone made: the entry goes before the answer (one left would have the next start
     // undo the clones whose tokens the answer gives out).
     let mut intent = Some(intent);
@@ -533,6 +538,10 @@ impl Drop for Made<'_> {
 struct Helper {
     child: std::process::Child,
     log: std::path::PathBuf,
+    /// Its stdout, line by line (a thread reads it).
+    lines: std::sync::mpsc::Receiver<std::io::Result<String>>,
+    /// When it must have made every clone.
+    deadline: Instant,
 }
 
 impl Helper {
@@ -577,23 +586,33 @@ impl Helper {
                 }
             });
         }
-        let child = command
+        let mut child = command
             .spawn()
             .map_err(io_error("start", &manager.mayfly))?;
-        Ok(Helper { child, log })
+        let stdout = child.stdout.take().expect("piped");
+        let (sender, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout).lines() {
+                let end = line.is_err();
+                if sender.send(line).is_err() || end {
+                    return;
+                }
+            }
+        });
+        Ok(Helper {
+            child,
+            log,
+            lines,
+            deadline: Instant::now() + HELPER_TIMEOUT,
+        })
     }
 
-    /// What it says of the clones once every one is ready (one line of JSON), or why not.
-    fn report(&mut self) -> Result<Value, ServeError> {
-        use std::io::BufRead;
-        let stdout = self.child.stdout.take().expect("piped");
-        let (sender, received) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let read = std::io::BufReader::new(stdout).read_line(&mut line);
-            let _ = sender.send(read.map(|_| line));
-        });
-        let line = match received.recv_timeout(HELPER_TIMEOUT) {
+    /// Its next line of JSON. One that says what failed is that failure, with the status the
+    /// fork's error had (a VMM shutting down, a host short of memory, pids or descriptors).
+    fn next(&mut self) -> Result<Value, ServeError> {
+        let wait = self.deadline.saturating_duration_since(Instant::now());
+        let line = match self.lines.recv_timeout(wait) {
             Ok(Ok(line)) if !line.trim().is_empty() => line,
             Ok(_) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
                 let _ = self.child.wait();
@@ -608,9 +627,33 @@ impl Helper {
                 )));
             }
         };
-        serde_json::from_str(&line).map_err(|e| {
+        let said: Value = serde_json::from_str(&line).map_err(|e| {
             ServeError::VmmFailed(format!("the fork's helper said what does not parse: {e}"))
-        })
+        })?;
+        if let Some(error) = said["error"].as_str() {
+            let error = error.to_string();
+            return Err(match said["status"].as_u64() {
+                Some(409) => ServeError::Conflict(error),
+                Some(503 | 507) => ServeError::Busy(error),
+                _ => ServeError::VmmFailed(error),
+            });
+        }
+        Ok(said)
+    }
+
+    /// Wait until it has captured the source.
+    fn captured(&mut self) -> Result<(), ServeError> {
+        match self.next()? {
+            said if said["captured"] == Value::Bool(true) => Ok(()),
+            said => Err(ServeError::VmmFailed(format!(
+                "the fork's helper said {said} where it had captured its source"
+            ))),
+        }
+    }
+
+    /// What it says of the clones once every one is ready (one line of JSON), or why not.
+    fn report(&mut self) -> Result<Value, ServeError> {
+        self.next()
     }
 
     /// Let the clones run, and wait for the helper to end.

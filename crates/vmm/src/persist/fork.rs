@@ -992,12 +992,15 @@ pub fn capture(
 ///
 /// A maker that places the clones itself (the sandbox manager) gives `placed`: their names,
 /// files, uids and policy, and `net`, where their networks are made; its parent need not be
-/// jailed then (its clones are not, either).
+/// jailed then (its clones are not, either). `on_captured` is called once nothing more is
+/// needed of the parent (its state and memory taken, its layers linked): it may be put to
+/// sleep, or go, from then on.
 pub fn fork_from_outside(
     api_sock: &Path,
     request: &ForkRequest,
     placed: Option<Placed>,
     net: Option<crate::devices::net::NetSettings>,
+    on_captured: &mut dyn FnMut(),
 ) -> Result<ForkReport, ForkError> {
     let start = Instant::now();
     if placed
@@ -1083,6 +1086,7 @@ pub fn fork_from_outside(
     if let Some(placed) = &placed {
         link_moved_layers(&state, &placed.clones)?;
     }
+    on_captured();
     let zygote = Zygote::spawn(&state, &base)?;
     let zygote_ms = start.elapsed().as_secs_f64() * 1e3;
     let names = match placed {
