@@ -116,3 +116,21 @@ pub fn standby(sock: &Path, extra: &[&str]) -> Guest {
     args.extend_from_slice(extra);
     Guest::start(&args)
 }
+
+/// The probe's first report in a clone's console log that it resumed: its VM generation ID
+/// (a fork's clone writes its console, and so its probe's reports, to its log).
+pub fn resumed_generation(log: &Path) -> u64 {
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(r) = reports(&text).into_iter().find(|r| r.0 == "resumed") {
+            return r.1;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} never reported: {text}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

@@ -53,23 +53,6 @@ fn kill(pid: u32) {
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
 }
 
-/// The probe's first report in a clone's console log: its VM generation ID.
-fn resumed_generation(log: &Path) -> u64 {
-    let deadline = Instant::now() + probe::TIMEOUT;
-    loop {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        if let Some(r) = probe::reports(&text).into_iter().find(|r| r.0 == "resumed") {
-            return r.1;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} never reported: {text}",
-            log.display()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 /// The processes whose stderr is `log` (a clone's stderr is its console log).
 fn processes_writing(log: &Path) -> Vec<u32> {
     // /proc shows the path a descriptor was opened by, resolved.
@@ -137,7 +120,7 @@ fn clones_run_as_processes_of_their_own_with_their_own_names_and_generations() {
         // `ps` and `top` show it by its name, not as the zygote it was forked from.
         let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap();
         assert_eq!(comm.trim_end(), name.as_str());
-        generations.push(resumed_generation(log));
+        generations.push(probe::resumed_generation(log));
         let (status, vm) = request(&dir.join(&format!("{name}.sock")), "GET", "/vm", None);
         assert_eq!(status, 200, "{vm}");
         assert_eq!(vm["name"], name.as_str(), "{vm}");
@@ -191,7 +174,7 @@ fn clones_are_held_until_every_clone_is_ready_then_all_run() {
     for clone in clones {
         let name = clone["name"].as_str().unwrap();
         let log = PathBuf::from(clone["console_log"].as_str().unwrap());
-        resumed_generation(&log);
+        probe::resumed_generation(&log);
         let text = std::fs::read_to_string(&log).unwrap();
         let (_, _, resumed_ns) = probe::reports(&text)
             .into_iter()
@@ -301,10 +284,10 @@ fn a_clone_of_a_clone_holds_nothing_of_its_grandparent() {
     let sock = dir.join("g.sock");
     let mut grandparent = probe::boot(64, &sock, "g");
     let child = fork(&sock, 1).remove(0);
-    resumed_generation(&child.2);
+    probe::resumed_generation(&child.2);
     let grandchild = fork(&dir.join("g-0.sock"), 1).remove(0);
     assert_eq!(grandchild.0, "g-0-0");
-    resumed_generation(&grandchild.2);
+    probe::resumed_generation(&grandchild.2);
     // The grandparent's guest RAM is the child's base: the child holds it, the grandchild
     // (whose base is the child's memory, copied) must not.
     let theirs = memfd_inodes(grandparent.pid());
@@ -330,7 +313,7 @@ fn a_restored_parent_numbers_its_clones_on_and_leaves_the_live_ones_alone() {
     let mut parent = probe::boot(64, &sock, "n");
     let first = fork(&sock, 1).remove(0);
     assert_eq!(first.0, "n-0");
-    resumed_generation(&first.2);
+    probe::resumed_generation(&first.2);
     let log_before = std::fs::read(&first.2).unwrap();
     let snap = dir.join("snap");
     probe::snapshot(&sock, &snap);
@@ -350,7 +333,7 @@ fn a_restored_parent_numbers_its_clones_on_and_leaves_the_live_ones_alone() {
     probe::wait_report(&restored, "resumed");
     let second = fork(&rsock, 1).remove(0);
     assert_eq!(second.0, "n-1");
-    resumed_generation(&second.2);
+    probe::resumed_generation(&second.2);
     assert!(alive(first.1), "n-0 still runs");
     let log_after = std::fs::read(&first.2).unwrap();
     assert!(

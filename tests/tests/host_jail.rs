@@ -205,23 +205,6 @@ fn a_jailed_vmm_runs_unprivileged_alone_in_its_root_and_its_vm_snapshots_and_res
     assert!(left.is_empty(), "jails left behind: {left:?}");
 }
 
-/// The probe's first report in a clone's console log that it resumed: its VM generation ID.
-fn resumed_generation(log: &Path) -> u64 {
-    let deadline = std::time::Instant::now() + probe::TIMEOUT;
-    loop {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        if let Some(r) = probe::reports(&text).into_iter().find(|r| r.0 == "resumed") {
-            return r.1;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{} never reported: {text}",
-            log.display()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 fn wait_gone(path: &Path, what: &str) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while path.exists() {
@@ -239,18 +222,7 @@ fn a_jailed_vm_forks_from_outside_into_clones_each_in_a_jail_of_its_own() {
     let dir = TestDir::new("jail-fork");
     let snaps = shared_dir(&dir, "snaps");
     let sock = dir.join("p.sock");
-    let mut parent = probe::boot_with(
-        64,
-        &sock,
-        "p",
-        &[
-            "--jail",
-            "--jail-dir",
-            &dir.arg("jails"),
-            "--jail-share",
-            &snaps.to_string_lossy(),
-        ],
-    );
+    let mut parent = boot_jailed(&dir, &sock, &snaps, "p");
     let (parent_pid, parent_jail) = jail_of(&sock);
 
     let out = mayfly_output(
@@ -335,7 +307,7 @@ fn a_jailed_vm_forks_from_outside_into_clones_each_in_a_jail_of_its_own() {
             }
         }
         // Its guest runs, restored from the parent with a generation of its own.
-        generations.push(resumed_generation(Path::new(
+        generations.push(probe::resumed_generation(Path::new(
             clone["console_log"].as_str().unwrap(),
         )));
     }

@@ -59,6 +59,17 @@ pub struct ForkRequest {
     pub idle_timeout_s: Option<u64>,
 }
 
+/// A fork's ID, unique in this manager: its source, the time, and a count (its journal entry,
+/// its clones' records, its base or placement under `<state-dir>/forks/` name it).
+fn fork_id(source: &str) -> String {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{source}-{}-{}",
+        now_ms(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
 /// The clones' names: the ones asked for, or `NAME-k` for the first free k.
 fn clone_names(
     manager: &Manager,
@@ -127,7 +138,6 @@ pub fn fork(
     source: &Sandbox,
     request: &ForkRequest,
 ) -> Result<Value, ServeError> {
-    static SEQ: AtomicU64 = AtomicU64::new(0);
     let names = clone_names(manager, &source.name, request)?;
     // The clones get the source's policy (as its waiter last said it, not the snapshot's:
     // its VMM wrote that one); its names must still resolve, or every clone would fail.
@@ -141,12 +151,7 @@ pub fn fork(
     let start = Instant::now();
     let forks = manager.state_dir().join("forks");
     std::fs::create_dir_all(&forks).map_err(io_error("make", &forks))?;
-    let id = format!(
-        "{}-{}-{}",
-        source.name,
-        now_ms(),
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    );
+    let id = fork_id(&source.name);
     let base = forks.join(&id);
     // 1-2. One sealed snapshot of the source. Layers its snapshot names by full path (those
     // it stacks on, in its own `vm/base/`) are gathered in: the base must not depend on the
@@ -303,7 +308,6 @@ fn fork_live(
 ) -> Result<Option<Value>, ServeError> {
     use crate::records::State;
     use crate::util::lock;
-    static SEQ: AtomicU64 = AtomicU64::new(0);
     let start = Instant::now();
     // The source stays as it is (running, not suspended or deleted) until the helper has
     // captured it (its state and memory taken, its layers linked for the clones).
@@ -313,12 +317,7 @@ fn fork_live(
         return Ok(None);
     }
     let guest_bytes = source_inner.record.guest_bytes.unwrap_or(0);
-    let id = format!(
-        "{}-{}-{}",
-        source.name,
-        now_ms(),
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    );
+    let id = fork_id(&source.name);
     let intent = manager.journal.begin(&Intent::Fork {
         id: id.clone(),
         source: source.name.clone(),
