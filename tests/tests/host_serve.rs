@@ -1167,7 +1167,9 @@ fn a_jailed_sandbox_has_a_network_whose_policy_the_admin_changes_and_sleep_keeps
     let dir = TestDir::new("serve-net");
     let net = mayfly_tests::netns::TestNet::new(&dir);
     let uplink_ns = &net.ns;
-    let m = Manager::start_with(&dir, &net.args());
+    let mut args = net.args();
+    args.extend(["--net-pool", "2"]);
+    let mut m = Manager::start_with(&dir, &args);
     let token = m.create(json!({
         "name": "netted",
         "kernel": probe::ELF,
@@ -1217,6 +1219,13 @@ fn a_jailed_sandbox_has_a_network_whose_policy_the_admin_changes_and_sleep_keeps
     .unwrap();
     assert_eq!(record["net_policy"], "allow=198.51.100.0/24", "{record}");
 
+    // From the first sandbox with a network on, the manager keeps two networks built ahead
+    // (--net-pool 2), held by its own descriptors: nothing mounted for them.
+    let net_dir = dir.join("net");
+    let pooled = held_pool_slots(&net_dir, m.process.pid(), 2);
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(&net_dir.display().to_string()), "{mounts}");
+
     // Asleep and awake again, it has the policy the admin set, in a network of its own.
     let (status, body) = m.admin("PUT", "/sandboxes/netted/pause", None);
     assert_eq!(
@@ -1237,11 +1246,59 @@ fn a_jailed_sandbox_has_a_network_whose_policy_the_admin_changes_and_sleep_keeps
     assert_eq!(woke["guest"]["mac"], net["guest"]["mac"], "{woke}");
     let link = woke["host_link"]["name"].as_str().unwrap().to_string();
     assert!(mayfly_tests::netns::links_in(uplink_ns).contains(&link));
+    // Its waiter took one of the pool's networks (the link is named for its slot).
+    assert!(
+        pooled.iter().any(|slot| link == format!("mfv{slot}")),
+        "{link} is not one of the pooled slots {pooled:?}"
+    );
 
     // Deleted, it leaves no network behind.
     let (status, body) = m.admin("DELETE", "/sandboxes/netted", None);
     assert_eq!(status, 200, "{body}");
     gone(uplink_ns, &link);
+    // The pool was topped up again; a manager that stops lets its networks go.
+    let pooled = held_pool_slots(&net_dir, m.process.pid(), 2);
+    m.process.signal(libc::SIGTERM);
+    m.process.wait_exit(Duration::from_secs(20));
+    for slot in pooled {
+        gone(uplink_ns, &format!("mfv{slot}"));
+    }
+    let ready: Vec<_> = std::fs::read_dir(&net_dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".ready"))
+        .collect();
+    assert!(ready.is_empty(), "{ready:?}");
+}
+
+/// Wait, bounded, until `count` network slots in `net_dir` are ready in the pool held by the
+/// manager `pid`; their indices.
+fn held_pool_slots(net_dir: &std::path::Path, pid: u32, count: usize) -> Vec<u32> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let held: Vec<u32> = std::fs::read_dir(net_dir)
+            .unwrap()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let index = name
+                    .strip_prefix("slot-")?
+                    .strip_suffix(".ready")?
+                    .parse()
+                    .ok()?;
+                let mark = std::fs::read_to_string(e.path()).ok()?;
+                mark.contains(&format!("held {pid} ")).then_some(index)
+            })
+            .collect();
+        if held.len() == count {
+            return held;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the manager's network pool holds {held:?}, not {count} slots"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Wait, bounded, for the link `link` to leave the namespace `ns`: a VMM's network goes with

@@ -71,6 +71,10 @@ struct Args {
     /// Rounds that also fork into 100 (manager and `mayfly fork`): the slowest samples.
     #[arg(long, default_value_t = 3)]
     fork_100_runs: usize,
+    /// The manager's pool of networks built ahead of need (`mayfly serve --net-pool`);
+    /// its own default (8) when not given.
+    #[arg(long)]
+    net_pool: Option<u64>,
     /// Only the composed phase (jailed networked creates, forks into 1, 10 and 100); the rest
     /// of the report is left empty.
     #[arg(long)]
@@ -175,6 +179,11 @@ struct ComposedFigures {
     mayfly_fork_ms: Vec<(usize, Stats)>,
     /// Median manager fork / median `mayfly fork`, per N (target at 100: ≤ 1.5).
     manager_over_mayfly_fork: Vec<(usize, f64)>,
+    /// The manager's network pool (`--net-pool`) and how long the benchmark waited for it to
+    /// be full before each timed networked create and each fork (the manager's, and
+    /// `mayfly fork`'s, which a refill would otherwise slow), ms (not in the figures).
+    net_pool_size: usize,
+    net_pool_wait_ms: Stats,
 }
 
 impl ComposedFigures {
@@ -201,6 +210,8 @@ impl ComposedFigures {
             manager_clone_pss_kib: Stats::of(&composed.clone_pss_kib).unwrap_or_default(),
             manager_clone_vmm_rss_kib: Stats::of(&composed.clone_rss_kib).unwrap_or_default(),
             mayfly_fork_ms: stats(&composed.mayfly_fork),
+            net_pool_size: composed.pool_size,
+            net_pool_wait_ms: Stats::of(&composed.pool_wait_ms).unwrap_or_default(),
         }
     }
 
@@ -263,7 +274,12 @@ fn main() {
     let dir = TestDir::new("serve-bench");
     // Networks (the composed phase) go out to a namespace of the benchmark's own.
     let net = mayfly_tests::netns::TestNet::new(&dir);
-    let m = Manager::start_with(&dir, &net.args());
+    let pool = args.net_pool.map(|n| n.to_string());
+    let mut manager_args = net.args();
+    if let Some(n) = &pool {
+        manager_args.extend(["--net-pool", n]);
+    }
+    let m = Manager::start_with(&dir, &manager_args);
     let spec = |name: &str| {
         json!({
             "name": name,
@@ -558,11 +574,41 @@ struct Composed {
     clone_pss_kib: Vec<f64>,
     clone_rss_kib: Vec<f64>,
     mayfly_fork: Vec<(usize, Vec<f64>)>,
+    /// The manager's `--net-pool` size, and the waits for it to be full before each timed
+    /// networked create and fork (the pool is built ahead of need: a burst right after
+    /// another finds it refilling).
+    pool_size: usize,
+    pool_wait_ms: Vec<f64>,
+}
+
+/// Wait (at most 60 s) until the manager's network pool holds `size` slots; how long, ms.
+fn wait_for_pool(m: &Manager, size: usize) -> f64 {
+    let net_dir = m
+        .state
+        .parent()
+        .expect("the manager's test directory")
+        .join("net");
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(60) {
+        let held = std::fs::read_dir(&net_dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".ready"))
+            .filter(|e| std::fs::read_to_string(e.path()).is_ok_and(|t| t.contains("held ")))
+            .count();
+        if held >= size {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ms(start)
 }
 
 /// One manager fork of the running sandbox `net-warm` into `count` and one `mayfly fork` of the
 /// plain VMM at `sock` into as many, their clones ended after each; the times go to slot `k`.
 fn fork_pair(m: &Manager, sock: &Path, count: usize, out: &mut Composed, k: usize) {
+    out.pool_wait_ms.push(wait_for_pool(m, out.pool_size));
     let start = Instant::now();
     let (status, body) = m.admin(
         "POST",
@@ -598,6 +644,8 @@ fn fork_pair(m: &Manager, sock: &Path, count: usize, out: &mut Composed, k: usiz
         let name = clone["name"].as_str().unwrap_or_default();
         m.admin("DELETE", &format!("/sandboxes/{name}"), None);
     }
+    // The pool refilled first: its building would otherwise run beside the baseline.
+    out.pool_wait_ms.push(wait_for_pool(m, out.pool_size));
     let start = Instant::now();
     let (status, body) = mayfly_api::request_with_timeout(
         sock,
@@ -678,9 +726,14 @@ fn composed(args: &Args, m: &Manager, template: &serde_json::Value) -> Composed 
         clone_pss_kib: Vec::new(),
         clone_rss_kib: Vec::new(),
         mayfly_fork: COUNTS.iter().map(|n| (*n, Vec::new())).collect(),
+        pool_size: args
+            .net_pool
+            .map_or(8, |n| usize::try_from(n).unwrap_or(usize::MAX)),
+        pool_wait_ms: Vec::new(),
     };
     for i in 0..args.runs {
         eprintln!("serve bench: composed round {}/{}", i + 1, args.runs);
+        out.pool_wait_ms.push(wait_for_pool(m, out.pool_size));
         let start = Instant::now();
         let (status, body) = m.admin(
             "POST",

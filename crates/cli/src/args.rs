@@ -341,6 +341,13 @@ pub(crate) struct ServeArgs {
     /// guest's output is dropped.
     #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_console_limit)]
     pub(crate) console_limit: u64,
+    /// Networks (namespace, tap, veth, nftables) kept built ahead of need, so that a create,
+    /// wake or fork with "net" takes one instead of building its own (~0.5 ms against ~10
+    /// ms). Kept topped up from the first sandbox with a network on; 0 builds none. Each is
+    /// an idle namespace with a veth in the uplink; they are removed when the manager stops.
+    #[arg(long, value_name = "N", default_value_t = 8,
+          value_parser = clap::value_parser!(u64).range(0..=4096))]
+    pub(crate) net_pool: u64,
 }
 
 /// `--console-limit`: a size, at least 1 KiB.

@@ -65,6 +65,10 @@ pub(crate) fn serve_sandboxes(args: ServeArgs) -> ExitCode {
             console_limit: args.console_limit,
             net_args: args.net.vmm_args(),
             net_names: args.net.names(),
+            net_pool: mayfly_serve::NetPoolConfig {
+                size: usize::try_from(args.net_pool).unwrap_or(0),
+                network: args.net.settings().network_config(),
+            },
         },
     };
     match mayfly_serve::serve(&config, stop_rx) {

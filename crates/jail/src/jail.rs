@@ -330,9 +330,36 @@ pub fn enter(
             })?),
             None => None,
         };
-    // SAFETY: the process has one thread here (`main` calls this before starting any), so the
-    // child may run any code.
-    match unsafe { fork() }.map_err(|e| fail(sys("fork the jailed VMM")(e)))? {
+    // The VMM is born in its cgroup where the kernel allows (clone3 into it): moving it there
+    // after a fork waits for an RCU grace period (see mayfly_sys::fork), which was most of a
+    // jail's cost. Else it forks and moves itself.
+    let cgroup_dir = cgroup
+        .as_deref()
+        .and_then(|dir| std::fs::File::open(dir).ok());
+    let born_in = |dir: &std::fs::File| {
+        use std::os::fd::AsFd;
+        // SAFETY: the process has one thread here (`main` calls this before starting any),
+        // so the child may run any code; the VMM never signals its main thread by its
+        // pthread_t (see fork_into).
+        match unsafe { mayfly_sys::fork::fork_into(dir.as_fd()) } {
+            Ok(mayfly_sys::fork::Forked::Parent { child }) => Some(ForkResult::Parent {
+                child: nix::unistd::Pid::from_raw(child),
+            }),
+            Ok(mayfly_sys::fork::Forked::Child) => Some(ForkResult::Child),
+            Err(_) => None,
+        }
+    };
+    let (forked, in_cgroup) = match cgroup_dir.as_ref().and_then(born_in) {
+        Some(forked) => (forked, true),
+        // SAFETY: the process has one thread here (`main` calls this before starting any),
+        // so the child may run any code.
+        None => (
+            unsafe { fork() }.map_err(|e| fail(sys("fork the jailed VMM")(e)))?,
+            false,
+        ),
+    };
+    drop(cgroup_dir);
+    match forked {
         ForkResult::Parent { child } => {
             drop(alive_read);
             let finish = match (outside_work, channel) {
@@ -380,7 +407,9 @@ pub fn enter(
                 return Err(sys("forbid new privileges")(nix::Error::last()));
             }
             let host_pid = read_host_pid()?;
-            join_cgroup(cgroup.as_deref())?;
+            if !in_cgroup {
+                join_cgroup(cgroup.as_deref())?;
+            }
             unshare(
                 CloneFlags::CLONE_NEWNS
                     | CloneFlags::CLONE_NEWNET

@@ -201,7 +201,12 @@ impl Keeper {
                 None,
             );
         }
-        let made = Network::new(config).and_then(|network| network.create_nic(policy, mac));
+        mayfly_sys::trace::event("net_asked");
+        let made = Network::new(config).and_then(|network| {
+            mayfly_sys::trace::event("net_opened");
+            network.create_nic(policy, mac)
+        });
+        mayfly_sys::trace::event("net_made");
         let mut network = match made {
             Ok(network) => network,
             Err(e) => return (Answer::Refused(e.to_string()), None),

@@ -24,15 +24,18 @@
 //! tap), and the tap and veth inside die with it (a veth pair dies with either end, so the
 //! host side goes too, with its address). There are no per-VM rules or addresses on the host
 //! side. Slots are taken with an flock on `<state_dir>/slot-<n>.lock`, which the kernel
-//! releases when the VMM dies; [`Network::sweep`] (run by [`Network::new`], and on every slot
-//! a create takes) removes whatever a dead process left: a host-side veth the kernel has not
-//! reaped yet, a half-built pool namespace.
+//! releases when the VMM dies; [`Network::sweep`] (run by a create that builds its slot, and
+//! on every slot a create takes) removes whatever a dead process left: a host-side veth the
+//! kernel has not reaped yet, a half-built pool namespace.
 //!
 //! Setup shells out to `ip` (iproute2) and `nft` (nftables), once per slot; the per-VM hot
 //! path (claiming a pre-built slot from the pool, changing policy) is Rust only: a netlink
 //! batch to nftables, the tap opened with an ioctl. The pool ([`Network::prewarm`]) holds
 //! slots built in advance, bind-mounted under `<state_dir>/ns/` until claimed; claiming one
-//! unmounts it, so from then on it lives and dies with the VMM that claimed it.
+//! unmounts it, so from then on it lives and dies with the VMM that claimed it. A long-lived
+//! keeper (the sandbox manager) holds its pool instead ([`Network::prewarm_held`]): each
+//! slot's namespace and attached tap stay open in the keeper, which a VM takes with
+//! pidfd_getfd, so the pool adds nothing to the mount table and dies with its keeper.
 // Lossy `as` casts are refused here (tests aside): every conversion that can lose bits says
 // why it cannot.
 #![cfg_attr(

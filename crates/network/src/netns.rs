@@ -298,6 +298,21 @@ pub(crate) fn open_tap(name: &str) -> io::Result<File> {
     Ok(tun)
 }
 
+/// Whether `file` is a tap attached to the interface `name` (TUNGETIFF): a descriptor taken
+/// from another process is checked to be what it was said to be.
+pub(crate) fn is_tap(file: &File, name: &str) -> bool {
+    let mut req = [0u8; 40];
+    // SAFETY: TUNGETIFF fills a 40-byte struct ifreq; on anything but an attached tun/tap
+    // descriptor it fails.
+    let r = unsafe { libc::ioctl(file.as_raw_fd(), libc::TUNGETIFF, req.as_mut_ptr()) };
+    if r < 0 {
+        return false;
+    }
+    let flags = libc::c_int::from(i16::from_ne_bytes([req[16], req[17]]));
+    let len = req[..16].iter().position(|b| *b == 0).unwrap_or(16);
+    &req[..len] == name.as_bytes() && flags & libc::IFF_TAP != 0
+}
+
 /// Wait until interface `name` of the calling thread's namespace is running (carrier on and
 /// seen by the kernel's link watcher, which until then leaves the device's queue dropping
 /// everything sent to it): a tap is, shortly after a descriptor attaches. Returns whether it

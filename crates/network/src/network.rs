@@ -141,6 +141,15 @@ pub struct Network {
     hint: Mutex<u32>,
 }
 
+/// A slot built into the pool by [`Network::prewarm_held`]: its namespace and attached tap,
+/// held open for as long as this is kept.
+#[derive(Debug)]
+pub struct HeldSlot {
+    pub index: u32,
+    _ns: File,
+    _tap: File,
+}
+
 impl Network {
     /// Check the tools and the configuration, read the uplink namespace's own addresses
     /// (the never-reached host addresses: see [`NetworkConfig::never`]), and sweep what dead
@@ -183,7 +192,6 @@ impl Network {
             slots,
             hint: Mutex::new(0),
         };
-        network.sweep()?;
         Ok(network)
     }
 
@@ -243,12 +251,16 @@ impl Network {
         // Resolve first: a policy that cannot be applied costs no slot.
         let resolved = resolve(policy, self.config.dns, &self.uplink, &self.never)?;
         let mac = mac.unwrap_or_else(fresh_mac);
-        if let Some((slot, lock, ns)) = self.claim_pooled()? {
-            return self.finish(slot, lock, ns, policy, &resolved, mac);
+        if let Some((slot, lock, ns, tap)) = self.claim_pooled()? {
+            mayfly_sys::trace::event("net_claimed");
+            return self.finish(slot, lock, ns, tap, policy, &resolved, mac);
         }
+        // Built now: what dead VMMs left is swept first (a pooled claim skips this, ~5 ms
+        // with a hundred slots in the directory).
+        self.sweep()?;
         let (slot, lock) = self.take_free_slot()?;
         let ns = self.build(&slot)?;
-        self.finish(slot, lock, ns, policy, &resolved, mac)
+        self.finish(slot, lock, ns, None, policy, &resolved, mac)
     }
 
     /// Take the lock of a slot nobody uses (and that is not in the pool), its leftovers
@@ -360,17 +372,23 @@ impl Network {
     /// Attach to the slot's tap, point the sets at the guest's MAC, this host's never-reached
     /// networks and the policy, in one batch (a pooled slot holds nothing of whoever built
     /// it).
+    #[allow(clippy::too_many_arguments)]
     fn finish(
         &self,
         slot: Slot,
         mut lock: netns::SlotLock,
         ns: File,
+        tap: Option<File>,
         policy: &Policy,
         resolved: &policy::Resolved,
         mac: MacAddr,
     ) -> Result<VmNetwork> {
         let (tap, nft) = netns::run_in(&ns, || -> Result<(File, nft::NftSocket)> {
-            let tap = netns::open_tap(NS_TAP).map_err(sys("cannot open the VM's tap"))?;
+            // A held pool slot's tap comes attached already, its carrier on.
+            let tap = match tap {
+                Some(tap) => tap,
+                None => netns::open_tap(NS_TAP).map_err(sys("cannot open the VM's tap"))?,
+            };
             let mut nft = nft::NftSocket::open().map_err(NetworkError::Nft)?;
             let [nets, svcs, dns] = nft::policy_sets(resolved);
             nft.replace(&[
@@ -381,6 +399,7 @@ impl Network {
                 svcs,
             ])
             .map_err(NetworkError::Nft)?;
+            mayfly_sys::trace::event("net_policy_set");
             // Until the kernel has seen the tap's carrier come on, what the namespace sends
             // the guest is dropped (a restored guest's first ARP would wait for its retry).
             netns::wait_running(NS_TAP, std::time::Duration::from_millis(200))
@@ -431,16 +450,124 @@ impl Network {
             let mount = self.mount_path(slot.index);
             netns::bind(&ns, &mount)
                 .map_err(sys(format!("cannot bind-mount {}", mount.display())))?;
-            std::fs::write(self.ready_path(slot.index), b"")
+            // The slot's veth is in this uplink: only a create going out the same one takes it.
+            std::fs::write(self.ready_path(slot.index), self.uplink_mark())
                 .map_err(sys("cannot mark a pool slot ready"))?;
             lock.note(&format!("mayfly-{} pooled\n", slot.index));
         }
         Ok(count)
     }
 
-    /// Slots ready in the pool.
+    /// Build one slot into the pool, its namespace held by the returned descriptor instead of
+    /// a bind mount: the slot's ready file names this process and descriptor, and a create
+    /// takes the namespace through `/proc/PID/fd/N`. For a long-lived keeper (the sandbox
+    /// manager), whose pool then adds nothing to the host's mount table (every mount there is
+    /// copied into each jail's mount namespace and detached again: 110 pooled mounts made a
+    /// jail's lock-down ~15 ms slower) and leaves nothing behind if the keeper dies. The
+    /// keeper drops the descriptor once the ready file is gone ([`Network::is_claimed`]).
+    pub fn prewarm_held(&self) -> Result<HeldSlot> {
+        let (slot, mut lock) = self.take_free_slot()?;
+        let ns = self.build(&slot)?;
+        // Its tap attached now, so its carrier is on (the kernel's link watch is slow to say
+        // so: ~5 ms a VM when many start at once) when a VM takes it with pidfd_getfd.
+        let tap = netns::run_in(&ns, || netns::open_tap(NS_TAP))
+            .and_then(|r| r)
+            .map_err(sys("cannot open a pooled slot's tap"))?;
+        let inode = netns::inode(&ns).map_err(sys("cannot read a namespace's inode"))?;
+        let mut mark = self.uplink_mark();
+        mark.extend(
+            format!(
+                "held {} {} net:[{inode}] {}\n",
+                std::process::id(),
+                ns.as_raw_fd(),
+                tap.as_raw_fd()
+            )
+            .into_bytes(),
+        );
+        std::fs::write(self.ready_path(slot.index), mark)
+            .map_err(sys("cannot mark a pool slot ready"))?;
+        lock.note(&format!("mayfly-{} pooled, held\n", slot.index));
+        Ok(HeldSlot {
+            index: slot.index,
+            _ns: ns,
+            _tap: tap,
+        })
+    }
+
+    /// Whether the held pool slot `index` was taken (or given up: its ready file is gone).
+    pub fn is_claimed(&self, index: u32) -> bool {
+        !self.ready_path(index).exists()
+    }
+
+    /// Give up the held pool slot `index` unless a create is taking it right now: its ready
+    /// file removed, so the caller may drop its descriptor (the namespace then goes, and its
+    /// veth with it). False if a create holds its lock.
+    pub fn release_held(&self, index: u32) -> Result<bool> {
+        let Some(_lock) = netns::SlotLock::try_take(&self.lock_path(index))
+            .map_err(sys("cannot open a slot lock"))?
+        else {
+            return Ok(false);
+        };
+        let _ = std::fs::remove_file(self.ready_path(index));
+        Ok(true)
+    }
+
+    /// The namespace of a ready slot (and, for a held one, its attached tap), by its mount
+    /// or from its keeper (see [`Network::prewarm_held`]); `None` if neither holds it.
+    fn pooled_namespace(&self, index: u32, mark: &[u8]) -> Option<(File, Option<File>)> {
+        let text = std::str::from_utf8(mark).ok()?;
+        let Some(held) = text.lines().find_map(|l| l.strip_prefix("held ")) else {
+            return File::open(self.mount_path(index)).ok().map(|ns| (ns, None));
+        };
+        let mut words = held.split_whitespace();
+        let (pid, ns_fd, inode, tap_fd) =
+            (words.next()?, words.next()?, words.next()?, words.next()?);
+        let pid: libc::pid_t = pid.parse().ok()?;
+        let ns_fd: std::os::fd::RawFd = ns_fd.parse().ok()?;
+        let tap_fd: std::os::fd::RawFd = tap_fd.parse().ok()?;
+        let keeper = mayfly_sys::pidfd::open(pid).ok()?;
+        let ns = File::from(mayfly_sys::pidfd::get_fd(&keeper, ns_fd).ok()?);
+        // The pid and descriptor may have gone to something else: only that namespace, and
+        // (taken from the same process, checked alive after) its tap.
+        let same = netns::inode(&ns).ok().map(|i| format!("net:[{i}]"));
+        if same.as_deref() != Some(inode) {
+            return None;
+        }
+        let tap = File::from(mayfly_sys::pidfd::get_fd(&keeper, tap_fd).ok()?);
+        netns::is_tap(&tap, NS_TAP).then_some((ns, Some(tap)))
+    }
+
+    /// Whether the keeper of a held ready slot still holds it (a sweep's check: no
+    /// descriptor is taken).
+    fn held_alive(mark: &[u8]) -> bool {
+        let Some(held) = std::str::from_utf8(mark)
+            .ok()
+            .and_then(|t| t.lines().find_map(|l| l.strip_prefix("held ")))
+        else {
+            return false;
+        };
+        let mut words = held.split_whitespace();
+        let (Some(pid), Some(fd), Some(inode)) = (words.next(), words.next(), words.next()) else {
+            return false;
+        };
+        std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
+            .is_ok_and(|target| target.to_str() == Some(inode))
+    }
+
+    /// Slots ready in the pool for this uplink.
     pub fn pooled(&self) -> usize {
-        self.ready_slots().len()
+        let mark = self.uplink_mark();
+        self.ready_slots()
+            .into_iter()
+            .filter(|&index| {
+                std::fs::read(self.ready_path(index)).is_ok_and(|m| m.starts_with(&mark))
+            })
+            .count()
+    }
+
+    /// What a pool slot's ready file holds: its uplink namespace's inode.
+    fn uplink_mark(&self) -> Vec<u8> {
+        format!("uplink net:[{}]\n", netns::inode(&self.uplink).unwrap_or(0)).into_bytes()
     }
 
     fn ready_slots(&self) -> Vec<u32> {
@@ -464,27 +591,32 @@ impl Network {
 
     /// Take a slot from the pool: its namespace is unmounted, so from now on it lives only
     /// as long as the caller holds it.
-    fn claim_pooled(&self) -> Result<Option<(Slot, netns::SlotLock, File)>> {
+    #[allow(clippy::type_complexity)]
+    fn claim_pooled(&self) -> Result<Option<(Slot, netns::SlotLock, File, Option<File>)>> {
         for index in self.ready_slots() {
             let Some(lock) = netns::SlotLock::try_take(&self.lock_path(index))
                 .map_err(sys("cannot open a slot lock"))?
             else {
                 continue;
             };
-            if !self.ready_path(index).exists() {
+            // Built for another uplink (another program sharing the directory): not ours.
+            let Ok(mark) = std::fs::read(self.ready_path(index)) else {
+                continue;
+            };
+            if !mark.starts_with(&self.uplink_mark()) {
                 continue;
             }
-            let mount = self.mount_path(index);
-            let ns = match File::open(&mount) {
-                Ok(ns) => ns,
-                Err(_) => {
-                    self.clean(index)?;
-                    continue;
-                }
+            let Some((ns, tap)) = self.pooled_namespace(index, &mark) else {
+                self.clean(index)?;
+                continue;
             };
             let _ = std::fs::remove_file(self.ready_path(index));
-            netns::unbind(&mount).map_err(sys(format!("cannot unmount {}", mount.display())))?;
-            return Ok(Some((self.slot(index), lock, ns)));
+            let mount = self.mount_path(index);
+            if mount.exists() {
+                netns::unbind(&mount)
+                    .map_err(sys(format!("cannot unmount {}", mount.display())))?;
+            }
+            return Ok(Some((self.slot(index), lock, ns, tap)));
         }
         Ok(None)
     }
@@ -528,7 +660,16 @@ impl Network {
             else {
                 continue;
             };
-            if self.ready_path(index).exists() && self.mount_path(index).exists() {
+            let pooled = std::fs::read(self.ready_path(index))
+                .ok()
+                .is_some_and(|mark| {
+                    if mark.windows(5).any(|w| w == b"held ") {
+                        Self::held_alive(&mark)
+                    } else {
+                        self.mount_path(index).exists()
+                    }
+                });
+            if pooled {
                 report.pooled += 1;
                 continue;
             }

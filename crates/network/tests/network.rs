@@ -1006,6 +1006,64 @@ fn pooled_slots_are_claimed_and_work() {
     assert_eq!(rig.network.pooled(), 0);
 }
 
+#[test]
+fn held_pool_slots_are_taken_through_their_keepers_descriptor_and_go_with_it() {
+    let rig = Rig::new("held");
+    let _a = rig.tcp_server(addr(SERVER, 8080));
+    let first_slot = rig.network.prewarm_held().unwrap();
+    let second_slot = rig.network.prewarm_held().unwrap();
+    let (first, second) = (first_slot.index, second_slot.index);
+    assert_eq!(rig.network.pooled(), 2);
+    // Nothing mounted: the keeper's descriptors hold the namespaces.
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let ours = rig.state_dir.join("ns");
+    assert!(!mounts.contains(&ours.display().to_string()), "{mounts}");
+    let report = rig.network.sweep().unwrap();
+    assert!(report.cleaned.is_empty(), "{report:?}");
+    assert_eq!(rig.network.pooled(), 2, "the sweep removed a held slot");
+
+    // A create takes one of them, and works through it.
+    let mut vm = rig.network.create(&Policy::Open, None).unwrap();
+    assert!([first, second].contains(&vm.slot()), "slot {}", vm.slot());
+    assert!(rig.network.is_claimed(vm.slot()));
+    assert_eq!(rig.network.pooled(), 1);
+    let guest = Guest::attach(&mut vm);
+    assert_eq!(
+        guest.seen_as(addr(SERVER, 8080)),
+        vm.outside_ip().to_string()
+    );
+    // The keeper may let go of its descriptor: the VM holds its namespace now.
+    let (taken, left_slot) = if vm.slot() == first {
+        (first_slot, second_slot)
+    } else {
+        (second_slot, first_slot)
+    };
+    drop(taken);
+    let left = left_slot.index;
+    assert_eq!(
+        guest.seen_as(addr(SERVER, 8080)),
+        vm.outside_ip().to_string()
+    );
+    drop(guest);
+    vm.destroy().unwrap();
+
+    // A keeper gone (its descriptor closed, the ready file left): the slot is not taken, a
+    // sweep removes it, and a create builds its own.
+    drop(left_slot);
+    let report = rig.network.sweep().unwrap();
+    assert!(report.cleaned.contains(&left), "{report:?}");
+    assert_eq!(rig.network.pooled(), 0);
+    let vm = rig.network.create(&Policy::Open, None).unwrap();
+    drop(vm);
+
+    // A keeper that gives a slot up removes it from the pool.
+    let slot = rig.network.prewarm_held().unwrap();
+    assert!(rig.network.release_held(slot.index).unwrap());
+    assert!(rig.network.is_claimed(slot.index));
+    assert_eq!(rig.network.pooled(), 0);
+    drop(slot);
+}
+
 /// Every netns inode some process holds (a task's namespace or an open descriptor).
 fn held_netns_inodes() -> Vec<u64> {
     let mut out: Vec<PathBuf> = Vec::new();
@@ -1097,7 +1155,7 @@ fn kill_9_leaves_nothing_behind() {
     unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
     child.wait().unwrap();
 
-    // The next user of the state directory sweeps (Network::new does).
+    // The next user of the state directory sweeps (a create that builds a slot does).
     let next = Network::new(config(&rig.state_dir, &rig.uplink)).unwrap();
     next.sweep().unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);

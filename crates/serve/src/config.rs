@@ -51,9 +51,20 @@ pub struct Policy {
     /// Where names in a create's policies are resolved (`--net-dns`, `--net-uplink`): a name
     /// that does not resolve is refused (400) before any VMM starts for it.
     pub net_names: mayfly_network::Names,
+    /// The networks kept built ahead of need (`--net-pool`), see `netpool.rs`.
+    pub net_pool: NetPoolConfig,
     /// Abort the manager right after this step (tests only: `mayfly serve --crash-at`,
     /// hidden), to kill it inside one of the windows the journal covers (see `journal.rs`).
     pub crash_at: Option<CrashPoint>,
+}
+
+/// How many networks the manager keeps built ahead of need, made as its VMMs make theirs.
+#[derive(Clone, Debug, Default)]
+pub struct NetPoolConfig {
+    /// 0: none.
+    pub size: usize,
+    /// The configuration every VMM's network is made with (`--net-dir`, `--net-uplink`...).
+    pub network: mayfly_network::NetworkConfig,
 }
 
 /// A step of the manager's after which `--crash-at` makes it abort, as `kill -9` would.

@@ -317,6 +317,9 @@ fn fork_live(
         return Ok(None);
     }
     let guest_bytes = source_inner.record.guest_bytes.unwrap_or(0);
+    if net.is_some() {
+        manager.net_pool.want(&manager.events);
+    }
     let id = fork_id(&source.name);
     let intent = manager.journal.begin(&Intent::Fork {
         id: id.clone(),

@@ -85,13 +85,14 @@ mod templates;
 
 // On top.
 mod fork;
+mod netpool;
 mod openapi;
 mod ports;
 mod routes;
 mod server;
 
 pub use config::{
-    absolute_state_dir, CrashPoint, Policy, ServeConfig, DEFAULT_CONSOLE_LIMIT,
+    absolute_state_dir, CrashPoint, NetPoolConfig, Policy, ServeConfig, DEFAULT_CONSOLE_LIMIT,
     DEFAULT_VMM_ALLOWANCE_MIB,
 };
 pub use error::ServeError;

@@ -345,6 +345,8 @@ impl Manager {
             groups: &self.groups,
             console_limit: self.console_limit,
             net_args: &self.net_args,
+            net_pool: &self.net_pool,
+            events: &self.events,
         }
     }
 

@@ -59,6 +59,8 @@ pub struct Manager {
     pub(crate) net_args: Vec<String>,
     /// Where names in policies resolve (see [`crate::config::Config`]).
     pub(crate) net_names: mayfly_network::Names,
+    /// Networks built ahead of need (`--net-pool`).
+    pub(crate) net_pool: Arc<crate::netpool::NetPool>,
     /// The host listeners of the sandboxes' exposed ports (see `ports.rs`).
     pub(crate) ports: crate::listeners::PortListeners,
     /// The manager itself, for the threads it starts (the ports' listeners): set once it is
@@ -151,6 +153,7 @@ impl Manager {
             console_limit: policy.console_limit,
             net_args: policy.net_args.clone(),
             net_names: policy.net_names.clone(),
+            net_pool: crate::netpool::NetPool::new(policy.net_pool.clone()),
             ports: Default::default(),
             me: std::sync::OnceLock::new(),
             disk_over: std::sync::atomic::AtomicBool::new(false),

@@ -70,6 +70,9 @@ pub struct Launcher<'a, 'r> {
     pub console_limit: u64,
     /// Where networks are made (`--net-*` arguments for every VMM).
     pub net_args: &'a [String],
+    /// Told before a VMM with a network starts (kept filled from then), and where it says so.
+    pub net_pool: &'a std::sync::Arc<crate::netpool::NetPool>,
+    pub events: &'a std::sync::Arc<crate::events::EventLog>,
 }
 
 impl Sandbox {
@@ -264,6 +267,9 @@ impl Sandbox {
         } else {
             None
         };
+        if spec.net.is_some() || kept_policy.is_some() {
+            launcher.net_pool.want(launcher.events);
+        }
         let start = match &restore_from {
             Some(snapshot) => {
                 // A snapshot the manager keeps was written by a VMM (jailed, perhaps

@@ -131,6 +131,7 @@ pub fn serve(config: &ServeConfig, stop: UnixStream) -> Result<(), ServeError> {
                 connection(&manager, &lanes, stream, hearing);
             });
     }
+    manager.net_pool.stop();
     manager.event("stopped", "", json!({ "sandboxes": "left as they are" }));
     drop(listener);
     let ours = std::fs::symlink_metadata(&config.sock)

@@ -1,11 +1,13 @@
 //! The process plumbing every mayfly program shares and std lacks: pidfds, seqpacket sockets,
-//! poll, claimed socket paths, mountinfo, atomic file writes, file extents, the terminal and
-//! phase traces. Nothing here knows about VMs: it is the layer below all of them.
+//! poll, fork into a cgroup, claimed socket paths, mountinfo, atomic file writes, file
+//! extents, the terminal and phase traces. Nothing here knows about VMs: it is the layer
+//! below all of them.
 
 pub mod atomic;
 pub mod beneath;
 pub mod claim;
 pub mod extents;
+pub mod fork;
 pub mod mountinfo;
 pub mod pidfd;
 pub mod poll;

@@ -54,6 +54,24 @@ pub struct NetSettings {
     pub never: Vec<Ipv4Net>,
 }
 
+impl NetSettings {
+    /// The network layer's configuration for these settings (a manager building a pool of
+    /// networks for its VMMs uses the same one they do).
+    pub fn network_config(&self) -> NetworkConfig {
+        NetworkConfig {
+            state_dir: self.state_dir.clone(),
+            uplink: match &self.uplink {
+                Some(path) => Uplink::Path(path.clone()),
+                None => Uplink::Current,
+            },
+            dns: self.dns,
+            reach: self.reach.clone(),
+            never: self.never.clone(),
+            ..NetworkConfig::default()
+        }
+    }
+}
+
 impl Default for NetSettings {
     fn default() -> Self {
         Self {
@@ -193,17 +211,7 @@ pub fn attach(
     policy: &Policy,
     mac: Option<MacAddr>,
 ) -> Result<(VmNet, OwnedFd), NetSetupError> {
-    let config = NetworkConfig {
-        state_dir: settings.state_dir.clone(),
-        uplink: match &settings.uplink {
-            Some(path) => Uplink::Path(path.clone()),
-            None => Uplink::Current,
-        },
-        dns: settings.dns,
-        reach: settings.reach.clone(),
-        never: settings.never.clone(),
-        ..NetworkConfig::default()
-    };
+    let config = settings.network_config();
     if let Some(jail) = mayfly_jail::jail::current() {
         let channel = jail.outside().ok_or(NetSetupError::NoKeeper)?;
         let (kept, tap) = KeptNetwork::make(channel, config, policy, mac)?;
