@@ -530,6 +530,49 @@ fn an_exposed_guest_port_answers_on_the_host_and_kill_9_leaves_nothing() {
     };
     assert_eq!(line.trim(), "served-by-guest");
 
+    // Unexposed, it no longer listens; unexposed again, it is not there to stop.
+    let out = mayfly_ok(&[
+        "net",
+        "--sock",
+        &sock.to_string_lossy(),
+        "--unexpose",
+        "8000",
+    ]);
+    let out: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(out["exposed"], false, "{out}");
+    assert!(
+        TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_err(),
+        "an unexposed port still listens"
+    );
+    let again = mayfly_tests::guest::mayfly_output(
+        &[
+            "net",
+            "--sock",
+            &sock.to_string_lossy(),
+            "--unexpose",
+            "8000",
+        ],
+        Duration::from_secs(30),
+    );
+    assert!(!again.status.success());
+    let said = String::from_utf8_lossy(&again.stderr);
+    assert!(said.contains("not exposed"), "{said}");
+    let out: serde_json::Value = serde_json::from_str(&mayfly_ok(&[
+        "net",
+        "--sock",
+        &sock.to_string_lossy(),
+        "--expose",
+        "8000",
+    ]))
+    .unwrap();
+    let addr: SocketAddr = out["host"]
+        .as_str()
+        .unwrap()
+        .strip_prefix("tcp:")
+        .unwrap()
+        .parse()
+        .unwrap();
+
     // kill -9: the namespace, its veth and address go with the process.
     let info = net_info(&sock);
     let link = info["host_link"]["name"].as_str().unwrap().to_string();

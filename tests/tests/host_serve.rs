@@ -1532,9 +1532,32 @@ fn an_exposed_port_is_the_managers_kept_across_sleep_and_restarts_and_a_connecti
         "a closed unix port's socket is removed"
     );
 
-    // Closed, it no longer listens; closed again, it is not there.
+    // Closed, it no longer listens, and the VMM's side (its jail's waiter) no longer forwards
+    // it (its listening socket, listed by the kernel even once unlinked, is gone); closed
+    // again, it is not there.
+    let forwarded = m.state.join("sandboxes/porty/sock/port-8080.sock");
+    let bound = |path: &std::path::Path| {
+        // Num RefCount Protocol Flags Type St Inode Path: a listener's flags hold
+        // __SO_ACCEPTCON (0x10000); its accepted connections show its path too.
+        std::fs::read_to_string("/proc/net/unix")
+            .unwrap()
+            .lines()
+            .filter(|l| l.ends_with(&format!(" {}", path.display())))
+            .any(|l| {
+                l.split_whitespace()
+                    .nth(3)
+                    .and_then(|f| u32::from_str_radix(f, 16).ok())
+                    .is_some_and(|flags| flags & 0x10000 != 0)
+            })
+    };
+    assert!(bound(&forwarded), "the VMM's side forwards port 8080");
     let (status, body) = m.admin("DELETE", "/sandboxes/porty/ports/8080", None);
     assert_eq!(status, 200, "{body}");
+    assert!(
+        !bound(&forwarded),
+        "the VMM's side still forwards a closed port: {:?}",
+        m.event_lines("port_closed", "porty")
+    );
     let deadline = Instant::now() + Duration::from_secs(10);
     while std::net::TcpStream::connect(addr).is_ok() {
         assert!(Instant::now() < deadline, "the closed port still listens");

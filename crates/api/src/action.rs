@@ -44,6 +44,9 @@ pub enum Action {
         port: u16,
         on: mayfly_network::ExposeOn,
     },
+    /// PUT /vm/net/unexpose  body {"port": N}: guest port N no longer reachable on the host
+    /// (every endpoint it was exposed at closes, with its open connections).
+    NetUnexpose { port: u16 },
 }
 
 /// The most clones one fork request may ask for: more than this in one request is a mistake,

@@ -123,6 +123,20 @@ impl ExposeBody {
     pub const EXAMPLE: &'static str = r#"{"port": 8080, "on": "tcp:127.0.0.1:0"}"#;
 }
 
+/// `PUT /vm/net/unexpose`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UnexposeBody {
+    /// The guest's port (required).
+    #[serde(default)]
+    pub port: Option<Port>,
+}
+
+impl UnexposeBody {
+    pub const FIELDS: &'static [&'static str] = &["port"];
+    pub const EXAMPLE: &'static str = r#"{"port": 8080}"#;
+}
+
 /// A TCP port from 1 to 65535.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(transparent)]

@@ -14,6 +14,7 @@
 //! | `GET /vm/net`       | none                                                  | [`Action::Net`]       |
 //! | `PUT /vm/net/policy`| `{"policy": "allow=192.0.2.0/24:443"}`                | [`Action::NetPolicy`] |
 //! | `PUT /vm/net/expose`| `{"port": 8080, "on": "tcp:127.0.0.1:0"}`             | [`Action::NetExpose`] |
+//! | `PUT /vm/net/unexpose`| `{"port": 8080}`                                    | [`Action::NetUnexpose`] |
 //!
 //! The routes into the guest (exec and files, through the guest agent) are in [`guest`]:
 //! `POST /vm/exec`, `PUT|GET|DELETE /vm/files`, `GET /vm/files/stat`, `GET /vm/files/list`,
@@ -58,8 +59,9 @@ mod tests;
 
 /// Where a jailed VM's network is served: its control socket with `.net` added. The jail's
 /// waiter, outside the jail, keeps the VM's network and, once the VM has one, answers
-/// `GET /vm/net`, `PUT /vm/net/policy` and `PUT /vm/net/expose` there (mode 0600: root only);
-/// the VM's own socket refuses to change a jailed VM's policy or expose its ports.
+/// `GET /vm/net`, `PUT /vm/net/policy`, `PUT /vm/net/expose` and `PUT /vm/net/unexpose` there
+/// (mode 0600: root only); the VM's own socket refuses to change a jailed VM's policy or
+/// expose its ports.
 pub fn network_socket(api_sock: &std::path::Path) -> std::path::PathBuf {
     let mut path = api_sock.as_os_str().to_owned();
     path.push(".net");

@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 use crate::action::{Action, ForkRequest};
 use crate::body::{
     Count, ExposeBody, ForkBody, ForkParent, NetPolicyBody, NoBody, Port, SnapshotBody,
+    UnexposeBody,
 };
 use crate::guest;
 use crate::http::{self, Request};
@@ -88,6 +89,11 @@ const ROUTES: &[Route] = &[
         method: "PUT",
         path: "/vm/net/expose",
         parse: parse_net_expose,
+    },
+    Route {
+        method: "PUT",
+        path: "/vm/net/unexpose",
+        parse: parse_net_unexpose,
     },
 ];
 
@@ -307,6 +313,17 @@ fn parse_net_expose(endpoint: &str, body: &[u8]) -> Result<Action, String> {
         }
     };
     Ok(Action::NetExpose { port, on })
+}
+
+fn parse_net_unexpose(endpoint: &str, body: &[u8]) -> Result<Action, String> {
+    const EXAMPLE: &str = UnexposeBody::EXAMPLE;
+    let body: UnexposeBody = typed(endpoint, body, UnexposeBody::FIELDS, EXAMPLE)?;
+    let Some(Port(port)) = body.port else {
+        return Err(format!(
+            "{endpoint} needs the field \"port\", the guest's port: send e.g. {EXAMPLE}"
+        ));
+    };
+    Ok(Action::NetUnexpose { port })
 }
 
 fn parse_fork(endpoint: &str, body: &[u8]) -> Result<Action, String> {

@@ -63,6 +63,7 @@ fn answer(action: &Action) -> Reply {
         Action::Net => Reply::ok(json!({"policy": "open"})),
         Action::NetPolicy(policy) => Reply::ok(json!({ "policy": policy.to_string() })),
         Action::NetExpose { port, .. } => Reply::ok(json!({ "guest_port": port })),
+        Action::NetUnexpose { port } => Reply::ok(json!({ "guest_port": port })),
     }
 }
 
@@ -334,6 +335,13 @@ fn every_action_makes_the_round_trip() {
             },
             200,
         ),
+        (
+            "PUT",
+            "/vm/net/unexpose",
+            Some(json!({"port": 22})),
+            Action::NetUnexpose { port: 22 },
+            200,
+        ),
     ];
     for (method, path, body, action, status) in cases {
         let (got, reply) = f.request(method, path, body);
@@ -376,6 +384,13 @@ fn bad_network_requests_say_what_to_send() {
             "unknown field",
         ),
         ("/vm/net/expose", json!({}), "needs the field \"port\""),
+        ("/vm/net/unexpose", json!({}), "needs the field \"port\""),
+        ("/vm/net/unexpose", json!({"port": 0}), "from 1 to 65535"),
+        (
+            "/vm/net/unexpose",
+            json!({"port": 22, "on": "unix:/x"}),
+            "unknown field",
+        ),
         ("/vm/net/expose", json!({"port": 0}), "from 1 to 65535"),
         ("/vm/net/expose", json!({"port": 65536}), "from 1 to 65535"),
         ("/vm/net/expose", json!({"port": "80"}), "from 1 to 65535"),

@@ -116,10 +116,11 @@ pub(crate) enum Command {
     /// Example: mayfly cp --sock /tmp/vm.sock ./data.csv vm:/root/data.csv
     Cp(guest_commands::CpArgs),
     /// Show a VM's network (policy, addresses, counters), change its egress policy, or
-    /// expose a guest port on the host.
+    /// expose a guest port on the host (or stop).
     ///
     /// Examples: mayfly net --sock /tmp/vm.sock --policy allow=192.0.2.0/24:443
     ///           mayfly net --sock /tmp/vm.sock --expose 8080      (prints the host address)
+    ///           mayfly net --sock /tmp/vm.sock --unexpose 8080
     Net(NetArgs),
     /// Run the sandbox manager: one control socket for many named VMs ("sandboxes"), each a
     /// VMM process of its own, that sleep to disk when idle and wake on the next request.
@@ -346,7 +347,7 @@ pub(crate) struct ServeArgs {
     /// ms). Kept topped up from the first sandbox with a network on; 0 builds none. Each is
     /// an idle namespace with a veth in the uplink; they are removed when the manager stops.
     #[arg(long, value_name = "N", default_value_t = 8,
-          value_parser = clap::value_parser!(u64).range(0..=4096))]
+          value_parser = clap::value_parser!(u64).range(0..=1024))]
     pub(crate) net_pool: u64,
 }
 
@@ -395,11 +396,14 @@ pub(crate) struct NetArgs {
     pub(crate) sock: SockArgs,
     /// The egress policy from now on: none, open or allow=CIDR[:PORT],... Tightening it cuts
     /// open connections the new policy forbids (at their next packet).
-    #[arg(long, value_name = "none|open|allow=...", conflicts_with = "expose")]
+    #[arg(long, value_name = "none|open|allow=...", conflicts_with_all = ["expose", "unexpose"])]
     pub(crate) policy: Option<String>,
     /// Make this guest port reachable on the host (for as long as the VM runs).
-    #[arg(long, value_name = "PORT")]
+    #[arg(long, value_name = "PORT", conflicts_with = "unexpose")]
     pub(crate) expose: Option<u16>,
+    /// Stop making this guest port reachable on the host (its open connections are cut).
+    #[arg(long, value_name = "PORT")]
+    pub(crate) unexpose: Option<u16>,
     /// With --expose: where to listen: tcp:ADDR:PORT (port 0: a free one) or unix:PATH.
     #[arg(
         long,

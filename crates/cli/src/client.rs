@@ -4,7 +4,9 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use mayfly_api::body::{Count, ExposeBody, ForkBody, ForkParent, NetPolicyBody, Port};
+use mayfly_api::body::{
+    Count, ExposeBody, ForkBody, ForkParent, NetPolicyBody, Port, UnexposeBody,
+};
 
 use crate::args::{ForkArgs, NetArgs, SnapshotArgs};
 use crate::error::fail;
@@ -201,6 +203,14 @@ fn fork_from_outside(args: &ForkArgs) -> ExitCode {
 /// `mayfly net`: the VM's network, a new egress policy, or a guest port exposed.
 pub(crate) fn net(args: NetArgs) -> ExitCode {
     let sock = &args.sock.sock;
+    if let Some(port) = args.unexpose {
+        let request = UnexposeBody {
+            port: Some(Port(port)),
+        };
+        let kept = mayfly_vmm::outside::network_socket(sock);
+        let sock = if kept.exists() { &kept } else { sock };
+        return client(sock, "PUT", "/vm/net/unexpose", Some(body(&request)));
+    }
     match (args.policy, args.expose) {
         (Some(policy), _) => {
             let request = NetPolicyBody {

@@ -24,6 +24,11 @@ mod vm;
 
 fn main() -> ExitCode {
     let cli = parse();
+    // The manager holds a pidfd per sandbox, its connections and its pool of networks (two
+    // descriptors each), past Debian's default soft limit of 1024 with a few hundred.
+    if matches!(cli.command, Command::Serve(_)) {
+        vm::raise_descriptor_limit();
+    }
     if matches!(
         cli.command,
         Command::Run(_) | Command::Restore(_) | Command::Zygote(_)

@@ -12,7 +12,7 @@ use std::net::{Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -186,7 +186,28 @@ impl Drop for Forwarder {
     }
 }
 
-fn accept_loop(listener: &Listener, guest: SocketAddrV4, stop: &AtomicBool, conns: &Arc<Conns>) {
+/// Connections one forwarder serves at once (waiting for the guest or relaying); more are
+/// closed as they come. Each holds two threads.
+const MAX_CONNECTIONS: usize = 256;
+/// How long a connection waits for the guest to accept it.
+const GUEST_CONNECT: Duration = Duration::from_secs(5);
+
+/// One connection counted from its accept until both directions are done.
+struct Live(Arc<AtomicUsize>);
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn accept_loop(
+    listener: &Listener,
+    guest: SocketAddrV4,
+    stop: &Arc<AtomicBool>,
+    conns: &Arc<Conns>,
+) {
+    let live = Arc::new(AtomicUsize::new(0));
     while !stop.load(Ordering::SeqCst) {
         let client = match listener {
             Listener::Tcp(l) => l.accept().map(|(s, _)| Stream::Tcp(s)),
@@ -204,36 +225,60 @@ fn accept_loop(listener: &Listener, guest: SocketAddrV4, stop: &AtomicBool, conn
                 continue;
             }
         };
-        let upstream =
-            match TcpStream::connect_timeout(&SocketAddr::V4(guest), Duration::from_secs(5)) {
-                Ok(s) => Stream::Tcp(s),
-                // The guest does not listen (yet): the client sees its connection close.
-                Err(_) => continue,
-            };
-        let pair = (|| -> io::Result<_> {
-            Ok((
-                client.try_clone()?,
-                upstream.try_clone()?,
-                client.try_clone()?,
-                upstream.try_clone()?,
-            ))
-        })();
-        let Ok((c2, u2, c3, u3)) = pair else {
+        if live.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
+            live.fetch_sub(1, Ordering::SeqCst);
             continue;
-        };
-        let id = conns.next.fetch_add(1, Ordering::SeqCst);
-        conns.open().insert(id, (c3, u3));
-        let done = Arc::new(std::sync::atomic::AtomicU8::new(0));
-        for (from, to, name) in [(client, upstream, "in"), (u2, c2, "out")] {
-            let (conns, done) = (conns.clone(), done.clone());
-            let _ = std::thread::Builder::new()
-                .name(format!("mayfly-expose-{name}"))
-                .spawn(move || {
-                    pump(from, to);
-                    if done.fetch_add(1, Ordering::SeqCst) == 1 {
-                        conns.open().remove(&id);
-                    }
-                });
         }
+        let counted = Live(live.clone());
+        // The guest may take its time to accept, or never: each connection waits in a thread
+        // of its own (in this one's namespace, as threads it starts are), so neither the
+        // listener nor a stop waits for it (it did: one guest that never answered held every
+        // later connection, and its forwarder's stop, for 5 s each).
+        let (stop, conns) = (stop.clone(), conns.clone());
+        let _ = std::thread::Builder::new()
+            .name(format!("mayfly-expose-{}", guest.port()))
+            .spawn(move || {
+                let _counted = counted;
+                connect_and_relay(client, guest, &stop, &conns);
+            });
     }
+}
+
+/// Connect `client` to the guest and relay both ways until either side is done.
+fn connect_and_relay(client: Stream, guest: SocketAddrV4, stop: &AtomicBool, conns: &Conns) {
+    let upstream = match TcpStream::connect_timeout(&SocketAddr::V4(guest), GUEST_CONNECT) {
+        Ok(s) => Stream::Tcp(s),
+        // The guest does not listen (yet): the client sees its connection close.
+        Err(_) => return,
+    };
+    let pair = (|| -> io::Result<_> {
+        Ok((
+            client.try_clone()?,
+            upstream.try_clone()?,
+            client.try_clone()?,
+            upstream.try_clone()?,
+        ))
+    })();
+    let Ok((c2, u2, c3, u3)) = pair else {
+        return;
+    };
+    let id = conns.next.fetch_add(1, Ordering::SeqCst);
+    conns.open().insert(id, (c3, u3));
+    // Stopped while this connection was made: cut it (the stop may have drained the open
+    // connections before this one was in).
+    if stop.load(Ordering::SeqCst) {
+        if let Some((a, b)) = conns.open().remove(&id) {
+            a.shutdown(Shutdown::Both);
+            b.shutdown(Shutdown::Both);
+        }
+        return;
+    }
+    let out = std::thread::Builder::new()
+        .name(format!("mayfly-expose-{}", guest.port()))
+        .spawn(move || pump(u2, c2));
+    pump(client, upstream);
+    if let Ok(out) = out {
+        let _ = out.join();
+    }
+    conns.open().remove(&id);
 }

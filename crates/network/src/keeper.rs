@@ -265,6 +265,13 @@ impl Keeper {
         Some(network.expose(guest_port, on))
     }
 
+    /// Stop exposing `guest_port` (see [`VmNetwork::unexpose`]): whether it was; `None` when
+    /// the VM has no network.
+    pub fn unexpose(&self, guest_port: u16) -> Option<bool> {
+        let mut held = lock(&self.network);
+        Some(held.as_mut()?.unexpose(guest_port))
+    }
+
     /// The VMM has ended: remove its network now (veth, namespace).
     pub fn end(&self) {
         if let Some(network) = lock(&self.network).take() {

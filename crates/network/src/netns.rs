@@ -298,12 +298,22 @@ pub(crate) fn open_tap(name: &str) -> io::Result<File> {
     Ok(tun)
 }
 
-/// Whether `file` is a tap attached to the interface `name` (TUNGETIFF): a descriptor taken
-/// from another process is checked to be what it was said to be.
+/// Whether `file` is the tun device (/dev/net/tun, char 10:200) attached as a tap to the
+/// interface `name` (TUNGETIFF): a descriptor taken from another process is checked to be
+/// what it was said to be.
 pub(crate) fn is_tap(file: &File, name: &str) -> bool {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let is_tun = file.metadata().is_ok_and(|m| {
+        m.file_type().is_char_device()
+            && libc::major(m.rdev()) == 10
+            && libc::minor(m.rdev()) == 200
+    });
+    if !is_tun {
+        return false;
+    }
     let mut req = [0u8; 40];
-    // SAFETY: TUNGETIFF fills a 40-byte struct ifreq; on anything but an attached tun/tap
-    // descriptor it fails.
+    // SAFETY: TUNGETIFF on the tun device (checked above) fills a 40-byte struct ifreq, or
+    // fails if the descriptor is attached to no interface.
     let r = unsafe { libc::ioctl(file.as_raw_fd(), libc::TUNGETIFF, req.as_mut_ptr()) };
     if r < 0 {
         return false;
@@ -311,6 +321,32 @@ pub(crate) fn is_tap(file: &File, name: &str) -> bool {
     let flags = libc::c_int::from(i16::from_ne_bytes([req[16], req[17]]));
     let len = req[..16].iter().position(|b| *b == 0).unwrap_or(16);
     &req[..len] == name.as_bytes() && flags & libc::IFF_TAP != 0
+}
+
+/// Whether `ns` is a network namespace (NS_GET_NSTYPE).
+pub(crate) fn is_net_namespace(ns: &File) -> bool {
+    // NS_GET_NSTYPE: _IO(0xb7, 0x3).
+    const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
+    // SAFETY: an ioctl that takes no argument and returns the namespace type (or fails on
+    // anything that is not a namespace file).
+    let kind = unsafe { libc::ioctl(ns.as_raw_fd(), NS_GET_NSTYPE) };
+    kind == libc::CLONE_NEWNET
+}
+
+/// The inode of the network namespace the tun device `tap` (checked by [`is_tap`]) is in
+/// (TUNGETDEVNETNS).
+pub(crate) fn tap_namespace_inode(tap: &File) -> io::Result<u64> {
+    // TUNGETDEVNETNS: _IO('T', 227).
+    const TUNGETDEVNETNS: libc::c_ulong = 0x54e3;
+    // SAFETY: on a tun descriptor this ioctl takes no argument and returns a new descriptor
+    // of its device's network namespace, which the File below owns.
+    let fd = unsafe { libc::ioctl(tap.as_raw_fd(), TUNGETDEVNETNS) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor the kernel just made for this process alone.
+    let ns = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    inode(&ns)
 }
 
 /// Wait until interface `name` of the calling thread's namespace is running (carrier on and

@@ -146,14 +146,66 @@ pub struct Network {
 #[derive(Debug)]
 pub struct HeldSlot {
     pub index: u32,
+    /// Its ready file's content, which names it.
+    mark: Vec<u8>,
     _ns: File,
     _tap: File,
 }
 
+/// What a claim finds of a ready slot.
+enum Pooled {
+    Taken(File, Option<File>),
+    /// Its keeper or mount is gone: the slot is cleaned.
+    Gone,
+    /// Not for this process to take now (not allowed to, out of descriptors): left alone.
+    Unavailable,
+}
+
+/// A held slot's line of its ready file: `held PID START NSFD net:[INODE] TAPFD`.
+struct Held<'a> {
+    pid: libc::pid_t,
+    start: u64,
+    ns_fd: std::os::fd::RawFd,
+    inode: &'a str,
+    tap_fd: std::os::fd::RawFd,
+}
+
+impl<'a> Held<'a> {
+    fn parse(line: &'a str) -> Option<Held<'a>> {
+        let mut words = line.split_whitespace();
+        let held = Held {
+            pid: words.next()?.parse().ok()?,
+            start: words.next()?.parse().ok()?,
+            ns_fd: words.next()?.parse().ok()?,
+            inode: words.next()?,
+            tap_fd: words.next()?.parse().ok()?,
+        };
+        (held.pid > 0 && held.inode.starts_with("net:[")).then_some(held)
+    }
+}
+
+/// When process `pid` started (field 22 of /proc/PID/stat, clock ticks since boot): with
+/// its pid, what names one process for good.
+fn start_time(pid: u32) -> std::io::Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name (field 2) may hold spaces and parentheses: fields are counted after
+    // its last ')'.
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(19)?.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("/proc/{pid}/stat does not parse")))
+}
+
+/// Whether `dir` is root's and no one else may write it.
+fn owned_by_root_alone(dir: &Path) -> bool {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    std::fs::metadata(dir).is_ok_and(|m| m.uid() == 0 && m.permissions().mode() & 0o022 == 0)
+}
+
 impl Network {
-    /// Check the tools and the configuration, read the uplink namespace's own addresses
-    /// (the never-reached host addresses: see [`NetworkConfig::never`]), and sweep what dead
-    /// VMMs left.
+    /// Check the tools and the configuration, and read the uplink namespace's own addresses
+    /// (the never-reached host addresses: see [`NetworkConfig::never`]). What dead VMMs left
+    /// is swept by a create that builds its slot ([`Network::sweep`]), not here: a create that
+    /// takes a pooled slot skips it.
     pub fn new(config: NetworkConfig) -> Result<Self> {
         check_tools()?;
         if config.pool.prefix_len() > 30 {
@@ -458,13 +510,14 @@ impl Network {
         Ok(count)
     }
 
-    /// Build one slot into the pool, its namespace held by the returned descriptor instead of
-    /// a bind mount: the slot's ready file names this process and descriptor, and a create
-    /// takes the namespace through `/proc/PID/fd/N`. For a long-lived keeper (the sandbox
-    /// manager), whose pool then adds nothing to the host's mount table (every mount there is
-    /// copied into each jail's mount namespace and detached again: 110 pooled mounts made a
-    /// jail's lock-down ~15 ms slower) and leaves nothing behind if the keeper dies. The
-    /// keeper drops the descriptor once the ready file is gone ([`Network::is_claimed`]).
+    /// Build one slot into the pool, its namespace and attached tap held by the returned
+    /// [`HeldSlot`] instead of a bind mount: the slot's ready file names this process (pid and
+    /// start time) and the two descriptors, and a create takes them with pidfd_getfd. For a
+    /// long-lived keeper (the sandbox manager), whose pool then adds nothing to the host's
+    /// mount table (every mount there is copied into each jail's mount namespace and
+    /// detached again: 110 pooled mounts made a jail's lock-down ~15 ms slower) and leaves
+    /// nothing behind if the keeper dies but its ready files, which the next claim or sweep
+    /// removes. The keeper drops a slot once [`Network::is_claimed`] says so.
     pub fn prewarm_held(&self) -> Result<HeldSlot> {
         let (slot, mut lock) = self.take_free_slot()?;
         let ns = self.build(&slot)?;
@@ -474,84 +527,121 @@ impl Network {
             .and_then(|r| r)
             .map_err(sys("cannot open a pooled slot's tap"))?;
         let inode = netns::inode(&ns).map_err(sys("cannot read a namespace's inode"))?;
+        let pid = std::process::id();
+        let start = start_time(pid).map_err(sys("cannot read this process's start time"))?;
         let mut mark = self.uplink_mark();
         mark.extend(
             format!(
-                "held {} {} net:[{inode}] {}\n",
-                std::process::id(),
+                "held {pid} {start} {} net:[{inode}] {}\n",
                 ns.as_raw_fd(),
                 tap.as_raw_fd()
             )
             .into_bytes(),
         );
-        std::fs::write(self.ready_path(slot.index), mark)
+        std::fs::write(self.ready_path(slot.index), &mark)
             .map_err(sys("cannot mark a pool slot ready"))?;
         lock.note(&format!("mayfly-{} pooled, held\n", slot.index));
         Ok(HeldSlot {
             index: slot.index,
+            mark,
             _ns: ns,
             _tap: tap,
         })
     }
 
-    /// Whether the held pool slot `index` was taken (or given up: its ready file is gone).
-    pub fn is_claimed(&self, index: u32) -> bool {
-        !self.ready_path(index).exists()
+    /// Whether the held pool slot `slot` was taken (or given up): its ready file is gone, or
+    /// is another's now (the index taken and built again meanwhile by another keeper).
+    pub fn is_claimed(&self, slot: &HeldSlot) -> bool {
+        std::fs::read(self.ready_path(slot.index)).map_or(true, |mark| mark != slot.mark)
     }
 
-    /// Give up the held pool slot `index` unless a create is taking it right now: its ready
-    /// file removed, so the caller may drop its descriptor (the namespace then goes, and its
-    /// veth with it). False if a create holds its lock.
-    pub fn release_held(&self, index: u32) -> Result<bool> {
-        let Some(_lock) = netns::SlotLock::try_take(&self.lock_path(index))
-            .map_err(sys("cannot open a slot lock"))?
-        else {
-            return Ok(false);
-        };
-        let _ = std::fs::remove_file(self.ready_path(index));
-        Ok(true)
+    /// Give up the held pool slot `slot`: its ready file removed if it is still this slot's,
+    /// so the caller may drop it (the namespace then goes, and its veth with it). Whether it
+    /// was still in the pool. No lock is needed: a create taking it right now either has its
+    /// descriptors already (the VM keeps them) or finds them gone and builds its own.
+    pub fn release_held(&self, slot: &HeldSlot) -> bool {
+        if self.is_claimed(slot) {
+            return false;
+        }
+        std::fs::remove_file(self.ready_path(slot.index)).is_ok()
     }
 
     /// The namespace of a ready slot (and, for a held one, its attached tap), by its mount
-    /// or from its keeper (see [`Network::prewarm_held`]); `None` if neither holds it.
-    fn pooled_namespace(&self, index: u32, mark: &[u8]) -> Option<(File, Option<File>)> {
-        let text = std::str::from_utf8(mark).ok()?;
+    /// or from its keeper (see [`Network::prewarm_held`]). Every number in the ready file is
+    /// checked against the kernel before anything taken is used: the keeper is the process
+    /// that wrote it (its start time), the namespace is a network namespace of that inode,
+    /// the tap is a tun device attached to `tap0` in that namespace.
+    fn pooled_namespace(&self, index: u32, mark: &[u8]) -> Pooled {
+        let text = String::from_utf8_lossy(mark);
         let Some(held) = text.lines().find_map(|l| l.strip_prefix("held ")) else {
-            return File::open(self.mount_path(index)).ok().map(|ns| (ns, None));
+            return match File::open(self.mount_path(index)) {
+                Ok(ns) => Pooled::Taken(ns, None),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Pooled::Gone,
+                Err(_) => Pooled::Unavailable,
+            };
         };
-        let mut words = held.split_whitespace();
-        let (pid, ns_fd, inode, tap_fd) =
-            (words.next()?, words.next()?, words.next()?, words.next()?);
-        let pid: libc::pid_t = pid.parse().ok()?;
-        let ns_fd: std::os::fd::RawFd = ns_fd.parse().ok()?;
-        let tap_fd: std::os::fd::RawFd = tap_fd.parse().ok()?;
-        let keeper = mayfly_sys::pidfd::open(pid).ok()?;
-        let ns = File::from(mayfly_sys::pidfd::get_fd(&keeper, ns_fd).ok()?);
-        // The pid and descriptor may have gone to something else: only that namespace, and
-        // (taken from the same process, checked alive after) its tap.
-        let same = netns::inode(&ns).ok().map(|i| format!("net:[{i}]"));
-        if same.as_deref() != Some(inode) {
-            return None;
+        let Some(held) = Held::parse(held) else {
+            return Pooled::Gone;
+        };
+        let keeper = match mayfly_sys::pidfd::open(held.pid) {
+            Ok(keeper) => keeper,
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Pooled::Gone,
+            Err(_) => return Pooled::Unavailable,
+        };
+        // With the pidfd held, the pid is that process's until it is let go: the same start
+        // time means the same process as wrote the file.
+        let Ok(pid) = u32::try_from(held.pid) else {
+            return Pooled::Gone;
+        };
+        match start_time(pid) {
+            Ok(start) if start == held.start => {}
+            Ok(_) => return Pooled::Gone,
+            Err(_) => return Pooled::Unavailable,
         }
-        let tap = File::from(mayfly_sys::pidfd::get_fd(&keeper, tap_fd).ok()?);
-        netns::is_tap(&tap, NS_TAP).then_some((ns, Some(tap)))
+        // EBADF: the keeper let it go; anything else (EPERM where ptrace is restricted,
+        // EMFILE): this process cannot take it, which says nothing of the slot.
+        let take = |fd| match mayfly_sys::pidfd::get_fd(&keeper, fd) {
+            Ok(fd) => Ok(File::from(fd)),
+            Err(e) if e.raw_os_error() == Some(libc::EBADF) => Err(Pooled::Gone),
+            Err(_) => Err(Pooled::Unavailable),
+        };
+        let ns = match take(held.ns_fd) {
+            Ok(ns) => ns,
+            Err(no) => return no,
+        };
+        let inode = netns::inode(&ns).ok();
+        let named = inode.map(|i| format!("net:[{i}]"));
+        if !netns::is_net_namespace(&ns) || named.as_deref() != Some(held.inode) {
+            return Pooled::Gone;
+        }
+        let tap = match take(held.tap_fd) {
+            Ok(tap) => tap,
+            Err(no) => return no,
+        };
+        if !netns::is_tap(&tap, NS_TAP) || netns::tap_namespace_inode(&tap).ok() != inode {
+            return Pooled::Gone;
+        }
+        Pooled::Taken(ns, Some(tap))
     }
 
-    /// Whether the keeper of a held ready slot still holds it (a sweep's check: no
-    /// descriptor is taken).
+    /// Whether the keeper of a held ready slot still runs (a sweep's check: nothing is
+    /// taken; a keeper that gives a slot up removes its ready file first).
     fn held_alive(mark: &[u8]) -> bool {
-        let Some(held) = std::str::from_utf8(mark)
-            .ok()
-            .and_then(|t| t.lines().find_map(|l| l.strip_prefix("held ")))
+        let text = String::from_utf8_lossy(mark);
+        let Some(held) = text
+            .lines()
+            .find_map(|l| l.strip_prefix("held "))
+            .and_then(Held::parse)
         else {
             return false;
         };
-        let mut words = held.split_whitespace();
-        let (Some(pid), Some(fd), Some(inode)) = (words.next(), words.next(), words.next()) else {
+        let Ok(pid) = u32::try_from(held.pid) else {
             return false;
         };
-        std::fs::read_link(format!("/proc/{pid}/fd/{fd}"))
-            .is_ok_and(|target| target.to_str() == Some(inode))
+        match start_time(pid) {
+            Ok(start) => start == held.start,
+            Err(e) => e.kind() != std::io::ErrorKind::NotFound,
+        }
     }
 
     /// Slots ready in the pool for this uplink.
@@ -593,6 +683,11 @@ impl Network {
     /// as long as the caller holds it.
     #[allow(clippy::type_complexity)]
     fn claim_pooled(&self) -> Result<Option<(Slot, netns::SlotLock, File, Option<File>)>> {
+        // A ready file says which descriptors of which process to take: only from a
+        // directory no one but root may write.
+        if !owned_by_root_alone(&self.config.state_dir) {
+            return Ok(None);
+        }
         for index in self.ready_slots() {
             let Some(lock) = netns::SlotLock::try_take(&self.lock_path(index))
                 .map_err(sys("cannot open a slot lock"))?
@@ -606,9 +701,14 @@ impl Network {
             if !mark.starts_with(&self.uplink_mark()) {
                 continue;
             }
-            let Some((ns, tap)) = self.pooled_namespace(index, &mark) else {
-                self.clean(index)?;
-                continue;
+            let (ns, tap) = match self.pooled_namespace(index, &mark) {
+                Pooled::Taken(ns, tap) => (ns, tap),
+                Pooled::Gone => {
+                    self.clean(index)?;
+                    continue;
+                }
+                // Left as it is, for a process that can take it.
+                Pooled::Unavailable => continue,
             };
             let _ = std::fs::remove_file(self.ready_path(index));
             let mount = self.mount_path(index);
@@ -935,9 +1035,12 @@ impl VmNetwork {
         Ok(endpoint)
     }
 
-    /// Stop exposing `guest_port`.
-    pub fn unexpose(&mut self, guest_port: u16) {
+    /// Stop exposing `guest_port` (every endpoint it was exposed at: each forwarder stops,
+    /// its open connections closed, its Unix socket removed). Whether it was exposed.
+    pub fn unexpose(&mut self, guest_port: u16) -> bool {
+        let before = self.exposed.len();
         self.exposed.retain(|f| f.guest_port != guest_port);
+        self.exposed.len() != before
     }
 
     /// Remove everything: forwarders, tap, veth (with its host-side address), namespace.

@@ -23,12 +23,22 @@ use crate::util::lock;
 const LOOK_EVERY: Duration = Duration::from_millis(50);
 /// After a failed build, the wait before the next try.
 const RETRY_AFTER: Duration = Duration::from_secs(5);
+/// How long a stopping manager waits for a build under way to end (whatever the pool holds
+/// goes with the process anyway; its ready files are then removed by the next claim).
+const STOP_WAIT: Duration = Duration::from_secs(5);
+
+#[derive(Default)]
+struct Stop {
+    stopping: bool,
+    ended: bool,
+}
 
 pub struct NetPool {
     config: NetPoolConfig,
     started: Once,
-    /// Set when the manager stops: the thread drains the pool and ends.
-    stopping: Mutex<bool>,
+    /// Set when the manager stops (the thread gives the pool up and ends), and when the
+    /// thread has ended.
+    state: Mutex<Stop>,
     wake: Condvar,
     /// The thread, joined at the stop.
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -39,7 +49,7 @@ impl NetPool {
         Arc::new(NetPool {
             config,
             started: Once::new(),
-            stopping: Mutex::new(false),
+            state: Mutex::new(Stop::default()),
             wake: Condvar::new(),
             thread: Mutex::new(None),
         })
@@ -62,36 +72,63 @@ impl NetPool {
         });
     }
 
-    /// Stop filling the pool and remove its slots (the manager stops).
+    /// Stop filling the pool and give its slots up (the manager stops); waits at most
+    /// [`STOP_WAIT`] for a build under way.
     pub fn stop(&self) {
-        *lock(&self.stopping) = true;
-        self.wake.notify_all();
         let thread = lock(&self.thread).take();
-        if let Some(thread) = thread {
-            let _ = thread.join();
+        let mut state = lock(&self.state);
+        state.stopping = true;
+        self.wake.notify_all();
+        if thread.is_none() {
+            return;
+        }
+        let (state, _) = self
+            .wake
+            .wait_timeout_while(state, STOP_WAIT, |s| !s.ended)
+            .unwrap_or_else(|p| p.into_inner());
+        if state.ended {
+            drop(state);
+            if let Some(thread) = thread {
+                let _ = thread.join();
+            }
         }
     }
 
     /// Wait `how_long` unless the manager stops meanwhile; true if it stops.
     fn pause(&self, how_long: Duration) -> bool {
-        let stopping = lock(&self.stopping);
-        if *stopping {
+        let state = lock(&self.state);
+        if state.stopping {
             return true;
         }
-        let (stopping, _) = self
+        let (state, _) = self
             .wake
-            .wait_timeout(stopping, how_long)
+            .wait_timeout_while(state, how_long, |s| !s.stopping)
             .unwrap_or_else(|p| p.into_inner());
-        *stopping
+        state.stopping
     }
 
     fn keep(&self, events: &EventLog) {
-        // Built only with CPU nothing else wants (and the `ip` and `nft` it runs inherit
-        // that): a refill after a fork into 100 is ~1 s of work, which at normal priority
-        // took CPU from the next creates and forks themselves.
-        let idle = libc::sched_param { sched_priority: 0 };
-        // SAFETY: sched_setscheduler on this thread (0) with a valid parameter block.
-        unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &idle) };
+        self.fill(events);
+        lock(&self.state).ended = true;
+        self.wake.notify_all();
+    }
+
+    fn fill(&self, events: &EventLog) {
+        // Built at the lowest priority (the `ip` and `nft` it runs inherit it): a refill after
+        // a fork into 100 is ~1 s of work, which at normal priority took CPU from the next
+        // creates and forks themselves. Nice 19 rather than SCHED_IDLE: the builds take the
+        // kernel's network locks (rtnl), which a task that never gets CPU on a busy host
+        // would hold against every VM's network.
+        // SAFETY: gettid has no preconditions; setpriority on this thread alone (a tid is a
+        // PRIO_PROCESS target on Linux).
+        unsafe {
+            let tid = libc::gettid();
+            libc::setpriority(
+                libc::PRIO_PROCESS,
+                libc::id_t::try_from(tid).unwrap_or(0),
+                19,
+            );
+        }
         let network = match mayfly_network::Network::new(self.config.network.clone()) {
             Ok(network) => network,
             Err(e) => {
@@ -111,7 +148,7 @@ impl NetPool {
         let mut held: Vec<mayfly_network::HeldSlot> = Vec::new();
         let mut failing = false;
         loop {
-            held.retain(|slot| !network.is_claimed(slot.index));
+            held.retain(|slot| !network.is_claimed(slot));
             let wait = if held.len() >= self.config.size {
                 LOOK_EVERY
             } else {
@@ -139,10 +176,10 @@ impl NetPool {
                 break;
             }
         }
-        // A slot a VMM is taking right now is left to it: it has opened the namespace, or
-        // will find it gone and build its own.
+        // A slot a VMM is taking right now is left to it: it has its descriptors already, or
+        // will find them gone and build its own.
         for slot in held {
-            let _ = network.release_held(slot.index);
+            network.release_held(&slot);
             drop(slot);
         }
     }

@@ -46,6 +46,8 @@ pub const MAX_CONNECTIONS: usize = 64;
 pub const MAX_SANDBOX_CONNECTIONS: usize = 128;
 /// How long a connection waits for the VMM's side to take it.
 const GUEST_CONNECT: Duration = Duration::from_secs(10);
+/// How long a closed port waits for the VMM's side to stop forwarding it.
+const UNEXPOSE_WAIT: Duration = Duration::from_secs(2);
 /// How often a listener looks whether its sandbox is still there.
 const LOOK_EVERY: Duration = Duration::from_secs(1);
 
@@ -308,12 +310,21 @@ impl Manager {
             let _ = sandbox.save(&inner);
             return Err(e);
         }
+        let running = inner.vmm.is_some();
         drop(inner);
         self.ports.remove(&sandbox.name, guest_port);
+        // The VMM's side stops forwarding too (its socket removed): a running VMM that
+        // forwarded this port would otherwise keep doing so until it ended. A sleeping one has
+        // nothing to stop (a wake exposes a port again only when a connection asks).
+        let vmm_side = if running {
+            unexpose(sandbox, guest_port)
+        } else {
+            "asleep: nothing forwards it".to_string()
+        };
         self.event(
             "port_closed",
             &sandbox.name,
-            json!({ "guest_port": guest_port }),
+            json!({ "guest_port": guest_port, "vmm_side": vmm_side }),
         );
         Ok(())
     }
@@ -569,6 +580,34 @@ fn guest_stream(sandbox: &Sandbox, sock: &Path, target: &Target) -> Result<UnixS
         Err(e) => return Err(format!("the VMM's side did not answer: {e}")),
     }
     UnixStream::connect(&path).map_err(|e| format!("cannot connect to {}: {e}", path.display()))
+}
+
+/// Ask the VMM's side (its jail's waiter, for a jailed sandbox) to stop forwarding
+/// `guest_port`, best effort: a VMM that does not answer in time keeps a forwarder nobody
+/// reaches (its socket is removed here) until it ends. What it answered, in words.
+fn unexpose(sandbox: &Sandbox, guest_port: u16) -> String {
+    let sock = sandbox.socket();
+    let target = if sandbox.jailed() {
+        mayfly_api::network_socket(&sock)
+    } else {
+        sock
+    };
+    let body = json!({ "port": guest_port });
+    let answer = mayfly_api::request_with_timeout(
+        &target,
+        "PUT",
+        "/vm/net/unexpose",
+        Some(&body),
+        UNEXPOSE_WAIT,
+    );
+    let _ = std::fs::remove_file(port_socket(sandbox, guest_port));
+    match answer {
+        Ok((200, _)) => "stopped".into(),
+        // Never exposed by this VMM (no connection asked since its start).
+        Ok((409, _)) => "not forwarded".into(),
+        Ok((status, body)) => format!("answered {status}: {body}"),
+        Err(e) => format!("did not answer: {e}"),
+    }
 }
 
 /// The Unix socket the VMM's side forwards `guest_port` from: in the sandbox's `sock/`.

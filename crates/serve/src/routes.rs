@@ -192,7 +192,12 @@ pub fn refusal_reply(stream: &UnixStream, refused: &Refused) {
 }
 
 /// The VM routes only the admin token reaches through the manager.
-const ADMIN_VM_ROUTES: [&str; 3] = ["/vm/snapshot", "/vm/net/policy", "/vm/net/expose"];
+const ADMIN_VM_ROUTES: [&str; 4] = [
+    "/vm/snapshot",
+    "/vm/net/policy",
+    "/vm/net/expose",
+    "/vm/net/unexpose",
+];
 
 /// How long the manager waits for a client to take the answer it streams.
 const CLIENT_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -640,7 +645,10 @@ fn pass_to_vmm(
     // waiter too (such a VMM could lie about it). A jailed VM without a NIC has no such
     // socket: its VMM says it has no NIC.
     let kept = mayfly_api::network_socket(&sock);
-    let network_route = matches!(vm, "/vm/net" | "/vm/net/policy" | "/vm/net/expose");
+    let network_route = matches!(
+        vm,
+        "/vm/net" | "/vm/net/policy" | "/vm/net/expose" | "/vm/net/unexpose"
+    );
     let sock = if sandbox.jailed() && network_route {
         if kept.exists() {
             kept

@@ -38,11 +38,17 @@ struct CloneArgs {
 /// 5.7, a cgroup that takes no processes): the caller forks and moves instead.
 ///
 /// # Safety
-/// As for fork(2) with one more condition: the calling process has a single thread (the
-/// child is a copy of it, and glibc's fork handlers do not run). In the child, glibc's record
-/// of the main thread's id is still the parent's (glibc's own fork updates it, a raw clone3
-/// cannot): the child must not hand its main thread's `pthread_t` to another thread to signal
-/// it. Signalling itself is unaffected (glibc's raise asks the kernel for the thread's id).
+/// As for fork(2), and one of: the calling process has a single thread, or the child calls
+/// only async-signal-safe functions until it execs or `_exit`s (the child is a copy of the
+/// calling thread, and glibc's fork handlers do not run). A raw clone3 leaves glibc's state
+/// of the main thread as the parent's where glibc's own fork updates it: its thread id (the
+/// child must not use its main thread's `pthread_t` with `pthread_kill`,
+/// `pthread_setaffinity_np`, `pthread_setschedparam` or `pthread_getcpuclockid`; a
+/// recursive or error-checking mutex the main thread holds could be taken for a later
+/// thread's that got the same id) and its robust-futex list (not registered again: robust
+/// mutexes the main thread holds are not released if it dies). Signalling itself is
+/// unaffected (glibc's raise asks the kernel for the thread's id). mayfly's jailed VMM does
+/// none of these on its main thread.
 pub unsafe fn fork_into(cgroup: BorrowedFd<'_>) -> std::io::Result<Forked> {
     let fd = u64::try_from(cgroup.as_raw_fd())
         .map_err(|_| std::io::Error::from_raw_os_error(libc::EBADF))?;

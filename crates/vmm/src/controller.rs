@@ -312,7 +312,7 @@ impl Controller {
                     Ok(described) => (Reply::ok(described), None),
                     Err(e) => (Reply::error(502, e.to_string()), None),
                 },
-                None => (Reply::error(404, NO_NIC), None),
+                None => (Reply::error(409, NO_NIC), None),
             },
             Action::NetPolicy(policy) => match self.machine.devices.network_mut() {
                 // Names are resolved now; a policy that cannot be applied leaves the old one.
@@ -324,7 +324,7 @@ impl Controller {
                     ),
                 },
                 Some(VmNet::Kept(_)) => (Reply::error(409, KEPT_OUTSIDE), None),
-                None => (Reply::error(404, NO_NIC), None),
+                None => (Reply::error(409, NO_NIC), None),
             },
             Action::NetExpose { port, on } => match self.machine.devices.network_mut() {
                 Some(VmNet::Kept(_)) => (Reply::error(409, KEPT_OUTSIDE), None),
@@ -342,7 +342,15 @@ impl Controller {
                     ),
                     Err(e) => (Reply::error(409, e.to_string()), None),
                 },
-                None => (Reply::error(404, NO_NIC), None),
+                None => (Reply::error(409, NO_NIC), None),
+            },
+            Action::NetUnexpose { port } => match self.machine.devices.network_mut() {
+                Some(VmNet::Kept(_)) => (Reply::error(409, KEPT_OUTSIDE), None),
+                Some(VmNet::Own(network)) => (
+                    crate::outside::unexposed(port, network.unexpose(port)),
+                    None,
+                ),
+                None => (Reply::error(409, NO_NIC), None),
             },
         }
     }

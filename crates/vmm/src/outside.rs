@@ -128,13 +128,13 @@ fn answer(calls: &Receiver<ApiCall>, keeper: &Keeper) {
         let reply = match &call.action {
             Action::Net => match keeper.describe() {
                 Some(described) => Reply::ok(described),
-                None => Reply::error(404, NO_NIC),
+                None => Reply::error(409, NO_NIC),
             },
             Action::NetPolicy(policy) => match keeper.set_policy(policy.clone()) {
                 Some(Ok(described)) => Reply::ok(described),
                 // Names are resolved now; a policy that cannot be applied leaves the old one.
                 Some(Err(e)) => Reply::error(policy_status(&e), e.to_string()),
-                None => Reply::error(404, NO_NIC),
+                None => Reply::error(409, NO_NIC),
             },
             Action::NetExpose { port, on } => match keeper.expose(*port, on.clone()) {
                 Some(Ok(endpoint)) => Reply::ok(serde_json::json!({
@@ -145,11 +145,28 @@ fn answer(calls: &Receiver<ApiCall>, keeper: &Keeper) {
                     },
                 })),
                 Some(Err(e)) => Reply::error(expose_status(&e), e.to_string()),
-                None => Reply::error(404, NO_NIC),
+                None => Reply::error(409, NO_NIC),
+            },
+            Action::NetUnexpose { port } => match keeper.unexpose(*port) {
+                Some(was) => unexposed(*port, was),
+                None => Reply::error(409, NO_NIC),
             },
             _ => Reply::error(404, ONLY_NETWORK),
         };
         call.respond(reply);
+    }
+}
+
+/// The answer to `PUT /vm/net/unexpose`: 200 if `port` was exposed (now no longer), 409 if
+/// it was not.
+pub(crate) fn unexposed(port: u16, was: bool) -> Reply {
+    if was {
+        Reply::ok(serde_json::json!({ "guest_port": port, "exposed": false }))
+    } else {
+        Reply::error(
+            409,
+            format!("guest port {port} is not exposed: PUT /vm/net/expose exposes it"),
+        )
     }
 }
 
