@@ -216,7 +216,7 @@ fn net_none_gives_the_guest_no_nic() {
     assert_eq!(sh(&sock, "ls /sys/class/net"), "lo");
     assert_eq!(sh(&sock, "ip route | wc -l"), "0", "a route out");
     let (status, body) = request(&sock, "GET", "/vm/net", None);
-    assert_eq!(status, 404, "{body}");
+    assert_eq!(status, 409, "{body}");
     assert!(
         body["error"].as_str().unwrap().contains("--net none"),
         "{body}"
@@ -494,6 +494,24 @@ fn ten_clones_reach_the_server_at_once_each_as_itself() {
     }
 }
 
+/// The first line a server at `addr` sends, tried for up to 60 s (the guest's listener may
+/// take a moment to come up); empty if none came.
+fn first_line_from(addr: SocketAddr) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut line = String::new();
+        if let Ok(conn) = TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
+            conn.set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            let _ = BufReader::new(conn).read_line(&mut line);
+        }
+        if !line.is_empty() || Instant::now() > deadline {
+            return line;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 #[test]
 fn an_exposed_guest_port_answers_on_the_host_and_kill_9_leaves_nothing() {
     let uplink = Uplink::new();
@@ -514,23 +532,14 @@ fn an_exposed_guest_port_answers_on_the_host_and_kill_9_leaves_nothing() {
     let host = out["host"].as_str().unwrap();
     let addr: SocketAddr = host.strip_prefix("tcp:").unwrap().parse().unwrap();
     assert!(addr.ip().is_loopback(), "{host}");
-    // The guest's listener may take a moment to come up.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let line = loop {
-        let mut line = String::new();
-        if let Ok(conn) = TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
-            conn.set_read_timeout(Some(Duration::from_secs(10)))
-                .unwrap();
-            let _ = BufReader::new(conn).read_line(&mut line);
-        }
-        if !line.is_empty() || Instant::now() > deadline {
-            break line;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let line = first_line_from(addr);
     assert_eq!(line.trim(), "served-by-guest");
 
-    // Unexposed, it no longer listens; unexposed again, it is not there to stop.
+    // Unexposed, it no longer listens, and a connection open across it is cut; unexposed
+    // again, it is not there to stop; exposed again, it serves again.
+    let mut held = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).unwrap();
+    held.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
     let out = mayfly_ok(&[
         "net",
         "--sock",
@@ -543,6 +552,13 @@ fn an_exposed_guest_port_answers_on_the_host_and_kill_9_leaves_nothing() {
     assert!(
         TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_err(),
         "an unexposed port still listens"
+    );
+    // Whatever the guest sent on it, the connection ends (EOF or reset): it does not wait.
+    let mut rest = Vec::new();
+    let ended = std::io::Read::read_to_end(&mut held, &mut rest);
+    assert!(
+        !matches!(&ended, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)),
+        "a connection open across the unexpose was not cut: {ended:?}"
     );
     let again = mayfly_tests::guest::mayfly_output(
         &[
@@ -572,6 +588,8 @@ fn an_exposed_guest_port_answers_on_the_host_and_kill_9_leaves_nothing() {
         .unwrap()
         .parse()
         .unwrap();
+    let line = first_line_from(addr);
+    assert_eq!(line.trim(), "served-by-guest", "exposed again");
 
     // kill -9: the namespace, its veth and address go with the process.
     let info = net_info(&sock);

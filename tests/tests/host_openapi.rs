@@ -78,6 +78,7 @@ KEPT = {{"name", "idle_timeout_s", "acts_for", "no_agent"}}
 GRAMMAR = {{
     ("PUT", "/sandboxes/{{name}}/vm/net/policy"): {{"policy": "allow=192.0.2.1"}},
     ("PUT", "/sandboxes/{{name}}/vm/net/expose"): {{"on": "tcp:127.0.0.1:0"}},
+    ("PUT", "/sandboxes/{{name}}/vm/net/unexpose"): {{"on": "tcp:127.0.0.1:1"}},
     ("POST", "/sandboxes/{{name}}/ports"): {{"host": "tcp:127.0.0.1:0"}},
 }}
 

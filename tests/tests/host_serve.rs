@@ -1551,8 +1551,22 @@ fn an_exposed_port_is_the_managers_kept_across_sleep_and_restarts_and_a_connecti
             })
     };
     assert!(bound(&forwarded), "the VMM's side forwards port 8080");
+    // The admin's own exposure of that guest port (through the VMM's route) is not the
+    // manager's port, and stays.
+    let admin_end = dir.join("admin-8080.sock");
+    let (status, body) = m.admin(
+        "PUT",
+        "/sandboxes/porty/vm/net/expose",
+        Some(json!({"port": 8080, "on": format!("unix:{}", admin_end.display())})),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(bound(&admin_end), "{body}");
     let (status, body) = m.admin("DELETE", "/sandboxes/porty/ports/8080", None);
     assert_eq!(status, 200, "{body}");
+    assert!(
+        bound(&admin_end),
+        "closing the manager's port closed the admin's own exposure too"
+    );
     assert!(
         !bound(&forwarded),
         "the VMM's side still forwards a closed port: {:?}",

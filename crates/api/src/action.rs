@@ -44,9 +44,13 @@ pub enum Action {
         port: u16,
         on: mayfly_network::ExposeOn,
     },
-    /// PUT /vm/net/unexpose  body {"port": N}: guest port N no longer reachable on the host
-    /// (every endpoint it was exposed at closes, with its open connections).
-    NetUnexpose { port: u16 },
+    /// PUT /vm/net/unexpose  body {"port": N, "on": "tcp:ADDR:PORT"|"unix:PATH" (optional)}:
+    /// guest port N no longer reachable on the host at `on` (as `host` answered it), or at
+    /// any endpoint without it; each closes with its open connections.
+    NetUnexpose {
+        port: u16,
+        on: Option<mayfly_network::ExposeOn>,
+    },
 }
 
 /// The most clones one fork request may ask for: more than this in one request is a mistake,

@@ -130,10 +130,14 @@ pub struct UnexposeBody {
     /// The guest's port (required).
     #[serde(default)]
     pub port: Option<Port>,
+    /// Only the endpoint at this address (`tcp:ADDR:PORT` or `unix:PATH`, as `host` answered
+    /// it); every endpoint of the port without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on: Option<String>,
 }
 
 impl UnexposeBody {
-    pub const FIELDS: &'static [&'static str] = &["port"];
+    pub const FIELDS: &'static [&'static str] = &["port", "on"];
     pub const EXAMPLE: &'static str = r#"{"port": 8080}"#;
 }
 

@@ -323,7 +323,13 @@ fn parse_net_unexpose(endpoint: &str, body: &[u8]) -> Result<Action, String> {
             "{endpoint} needs the field \"port\", the guest's port: send e.g. {EXAMPLE}"
         ));
     };
-    Ok(Action::NetUnexpose { port })
+    let on = match body.on {
+        None => None,
+        Some(text) => Some(
+            parse_expose_on(&text).map_err(|e| format!("the field \"on\" of {endpoint}: {e}"))?,
+        ),
+    };
+    Ok(Action::NetUnexpose { port, on })
 }
 
 fn parse_fork(endpoint: &str, body: &[u8]) -> Result<Action, String> {

@@ -63,7 +63,7 @@ fn answer(action: &Action) -> Reply {
         Action::Net => Reply::ok(json!({"policy": "open"})),
         Action::NetPolicy(policy) => Reply::ok(json!({ "policy": policy.to_string() })),
         Action::NetExpose { port, .. } => Reply::ok(json!({ "guest_port": port })),
-        Action::NetUnexpose { port } => Reply::ok(json!({ "guest_port": port })),
+        Action::NetUnexpose { port, .. } => Reply::ok(json!({ "guest_port": port })),
     }
 }
 
@@ -339,7 +339,17 @@ fn every_action_makes_the_round_trip() {
             "PUT",
             "/vm/net/unexpose",
             Some(json!({"port": 22})),
-            Action::NetUnexpose { port: 22 },
+            Action::NetUnexpose { port: 22, on: None },
+            200,
+        ),
+        (
+            "PUT",
+            "/vm/net/unexpose",
+            Some(json!({"port": 22, "on": "unix:/tmp/vm-ssh.sock"})),
+            Action::NetUnexpose {
+                port: 22,
+                on: Some(mayfly_network::ExposeOn::Unix("/tmp/vm-ssh.sock".into())),
+            },
             200,
         ),
     ];
@@ -388,8 +398,13 @@ fn bad_network_requests_say_what_to_send() {
         ("/vm/net/unexpose", json!({"port": 0}), "from 1 to 65535"),
         (
             "/vm/net/unexpose",
-            json!({"port": 22, "on": "unix:/x"}),
+            json!({"port": 22, "at": "unix:/x"}),
             "unknown field",
+        ),
+        (
+            "/vm/net/unexpose",
+            json!({"port": 22, "on": "udp:1"}),
+            "\"on\"",
         ),
         ("/vm/net/expose", json!({"port": 0}), "from 1 to 65535"),
         ("/vm/net/expose", json!({"port": 65536}), "from 1 to 65535"),

@@ -343,7 +343,7 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_console_limit)]
     pub(crate) console_limit: u64,
     /// Networks (namespace, tap, veth, nftables) kept built ahead of need, so that a create,
-    /// wake or fork with "net" takes one instead of building its own (~0.5 ms against ~10
+    /// wake or fork with "net" takes one instead of building its own (~0.6 ms against ~9
     /// ms). Kept topped up from the first sandbox with a network on; 0 builds none. Each is
     /// an idle namespace with a veth in the uplink; they are removed when the manager stops.
     #[arg(long, value_name = "N", default_value_t = 8,

@@ -206,6 +206,7 @@ pub(crate) fn net(args: NetArgs) -> ExitCode {
     if let Some(port) = args.unexpose {
         let request = UnexposeBody {
             port: Some(Port(port)),
+            on: None,
         };
         let kept = mayfly_vmm::outside::network_socket(sock);
         let sock = if kept.exists() { &kept } else { sock };

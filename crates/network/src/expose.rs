@@ -237,6 +237,7 @@ fn accept_loop(
         let (stop, conns) = (stop.clone(), conns.clone());
         let _ = std::thread::Builder::new()
             .name(format!("mayfly-expose-{}", guest.port()))
+            .stack_size(mayfly_sys::HELPER_THREAD_STACK)
             .spawn(move || {
                 let _counted = counted;
                 connect_and_relay(client, guest, &stop, &conns);
@@ -275,10 +276,18 @@ fn connect_and_relay(client: Stream, guest: SocketAddrV4, stop: &AtomicBool, con
     }
     let out = std::thread::Builder::new()
         .name(format!("mayfly-expose-{}", guest.port()))
+        .stack_size(mayfly_sys::HELPER_THREAD_STACK)
         .spawn(move || pump(u2, c2));
-    pump(client, upstream);
-    if let Ok(out) = out {
-        let _ = out.join();
+    match out {
+        Ok(out) => {
+            pump(client, upstream);
+            let _ = out.join();
+        }
+        // Half a relay is none: both ends see the connection close.
+        Err(_) => {
+            client.shutdown(Shutdown::Both);
+            upstream.shutdown(Shutdown::Both);
+        }
     }
     conns.open().remove(&id);
 }

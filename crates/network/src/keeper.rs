@@ -267,9 +267,9 @@ impl Keeper {
 
     /// Stop exposing `guest_port` (see [`VmNetwork::unexpose`]): whether it was; `None` when
     /// the VM has no network.
-    pub fn unexpose(&self, guest_port: u16) -> Option<bool> {
+    pub fn unexpose(&self, guest_port: u16, on: Option<&crate::ExposeOn>) -> Option<bool> {
         let mut held = lock(&self.network);
-        Some(held.as_mut()?.unexpose(guest_port))
+        Some(held.as_mut()?.unexpose(guest_port, on))
     }
 
     /// The VMM has ended: remove its network now (veth, namespace).

@@ -323,24 +323,22 @@ pub(crate) fn is_tap(file: &File, name: &str) -> bool {
     &req[..len] == name.as_bytes() && flags & libc::IFF_TAP != 0
 }
 
-/// Whether `ns` is a network namespace (NS_GET_NSTYPE).
+/// Whether `ns`, a namespace file (its inode checked by the caller), is a network
+/// namespace (NS_GET_NSTYPE).
 pub(crate) fn is_net_namespace(ns: &File) -> bool {
-    // NS_GET_NSTYPE: _IO(0xb7, 0x3).
-    const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
-    // SAFETY: an ioctl that takes no argument and returns the namespace type (or fails on
-    // anything that is not a namespace file).
-    let kind = unsafe { libc::ioctl(ns.as_raw_fd(), NS_GET_NSTYPE) };
+    // SAFETY: NS_GET_NSTYPE takes no argument (0 is passed) and returns the namespace's
+    // type; the caller has checked the file is the namespace it expects by its inode.
+    let kind = unsafe { libc::ioctl(ns.as_raw_fd(), libc::NS_GET_NSTYPE, 0) };
     kind == libc::CLONE_NEWNET
 }
 
 /// The inode of the network namespace the tun device `tap` (checked by [`is_tap`]) is in
 /// (TUNGETDEVNETNS).
 pub(crate) fn tap_namespace_inode(tap: &File) -> io::Result<u64> {
-    // TUNGETDEVNETNS: _IO('T', 227).
-    const TUNGETDEVNETNS: libc::c_ulong = 0x54e3;
-    // SAFETY: on a tun descriptor this ioctl takes no argument and returns a new descriptor
-    // of its device's network namespace, which the File below owns.
-    let fd = unsafe { libc::ioctl(tap.as_raw_fd(), TUNGETDEVNETNS) };
+    // SAFETY: on a tun descriptor (checked by the caller) TUNGETDEVNETNS takes no argument
+    // (0 is passed) and returns a new descriptor of its device's network namespace, which
+    // the File below owns.
+    let fd = unsafe { libc::ioctl(tap.as_raw_fd(), libc::TUNGETDEVNETNS, 0) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }

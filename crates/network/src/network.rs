@@ -195,6 +195,16 @@ fn start_time(pid: u32) -> std::io::Result<u64> {
         .ok_or_else(|| std::io::Error::other(format!("/proc/{pid}/stat does not parse")))
 }
 
+/// The effective uid of process `pid` (its status's `Uid:` line, second field).
+fn effective_uid(pid: u32) -> std::io::Result<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|ids| ids.split_whitespace().nth(1)?.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("/proc/{pid}/status has no Uid line")))
+}
+
 /// Whether `dir` is root's and no one else may write it.
 fn owned_by_root_alone(dir: &Path) -> bool {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -598,6 +608,13 @@ impl Network {
             Ok(_) => return Pooled::Gone,
             Err(_) => return Pooled::Unavailable,
         }
+        // Only root keeps a pool: a ready file naming anyone else's process (written through
+        // a directory swapped under the check above, say) is not followed.
+        match effective_uid(pid) {
+            Ok(0) => {}
+            Ok(_) => return Pooled::Gone,
+            Err(_) => return Pooled::Unavailable,
+        }
         // EBADF: the keeper let it go; anything else (EPERM where ptrace is restricted,
         // EMFILE): this process cannot take it, which says nothing of the slot.
         let take = |fd| match mayfly_sys::pidfd::get_fd(&keeper, fd) {
@@ -609,9 +626,11 @@ impl Network {
             Ok(ns) => ns,
             Err(no) => return no,
         };
+        // The inode first (a stat of whatever the number now names), then, on a file that
+        // is that namespace's, the kernel's word that it is a network namespace.
         let inode = netns::inode(&ns).ok();
         let named = inode.map(|i| format!("net:[{i}]"));
-        if !netns::is_net_namespace(&ns) || named.as_deref() != Some(held.inode) {
+        if named.as_deref() != Some(held.inode) || !netns::is_net_namespace(&ns) {
             return Pooled::Gone;
         }
         let tap = match take(held.tap_fd) {
@@ -639,7 +658,14 @@ impl Network {
             return false;
         };
         match start_time(pid) {
-            Ok(start) => start == held.start,
+            Ok(start) if start == held.start => {}
+            Ok(_) => return false,
+            Err(e) => return e.kind() != std::io::ErrorKind::NotFound,
+        }
+        // Still holding that namespace at that number (a keeper that dropped the slot without
+        // giving it up does not).
+        match std::fs::read_link(format!("/proc/{pid}/fd/{}", held.ns_fd)) {
+            Ok(target) => target.to_str() == Some(held.inode),
             Err(e) => e.kind() != std::io::ErrorKind::NotFound,
         }
     }
@@ -660,7 +686,8 @@ impl Network {
         format!("uplink net:[{}]\n", netns::inode(&self.uplink).unwrap_or(0)).into_bytes()
     }
 
-    fn ready_slots(&self) -> Vec<u32> {
+    /// The slots with a ready file (for any uplink), by index: one read of the directory.
+    pub fn ready_slots(&self) -> Vec<u32> {
         let Ok(dir) = std::fs::read_dir(&self.config.state_dir) else {
             return Vec::new();
         };
@@ -1035,11 +1062,20 @@ impl VmNetwork {
         Ok(endpoint)
     }
 
-    /// Stop exposing `guest_port` (every endpoint it was exposed at: each forwarder stops,
-    /// its open connections closed, its Unix socket removed). Whether it was exposed.
-    pub fn unexpose(&mut self, guest_port: u16) -> bool {
+    /// Stop exposing `guest_port` at `on` (where `expose` said it listens), or at every
+    /// endpoint with `None`: each forwarder stops, its open connections closed, its Unix
+    /// socket removed. Whether any was.
+    pub fn unexpose(&mut self, guest_port: u16, on: Option<&ExposeOn>) -> bool {
         let before = self.exposed.len();
-        self.exposed.retain(|f| f.guest_port != guest_port);
+        self.exposed.retain(|f| {
+            let at = match (on, &f.endpoint) {
+                (None, _) => true,
+                (Some(ExposeOn::Tcp(a)), HostEndpoint::Tcp(b)) => a == b,
+                (Some(ExposeOn::Unix(a)), HostEndpoint::Unix(b)) => a == b,
+                _ => false,
+            };
+            !(f.guest_port == guest_port && at)
+        });
         self.exposed.len() != before
     }
 

@@ -1062,6 +1062,20 @@ fn held_pool_slots_are_taken_through_their_keepers_descriptor_and_go_with_it() {
     assert!(rig.network.is_claimed(&slot));
     assert_eq!(rig.network.pooled(), 0);
     drop(slot);
+
+    // A pool in a directory anyone may write is not taken from (its ready files could name
+    // anyone's descriptors): a create builds its own.
+    use std::os::unix::fs::PermissionsExt;
+    let slot = rig.network.prewarm_held().unwrap();
+    let mode = std::fs::metadata(&rig.state_dir).unwrap().permissions();
+    std::fs::set_permissions(&rig.state_dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let vm = rig.network.create(&Policy::Open, None);
+    std::fs::set_permissions(&rig.state_dir, mode).unwrap();
+    let vm = vm.unwrap();
+    assert_ne!(vm.slot(), slot.index);
+    assert!(!rig.network.is_claimed(&slot));
+    drop(vm);
+    rig.network.release_held(&slot);
 }
 
 /// Every netns inode some process holds (a task's namespace or an open descriptor).

@@ -18,6 +18,9 @@ pub struct Listening {
     pub stop: UnixStream,
     /// Its connections open now.
     pub open: Arc<AtomicUsize>,
+    /// Held while one of its connections has the VMM's side expose the port; true once the
+    /// port is closed (no connection may expose it again).
+    pub exposing: Arc<Mutex<bool>>,
 }
 
 /// Every exposed port's listener, by sandbox name and guest port.
@@ -46,10 +49,12 @@ impl PortListeners {
             .map(|l| l.open.load(Ordering::SeqCst))
     }
 
-    /// Stop one listener; whether there was one.
-    pub fn remove(&self, name: &str, guest_port: u16) -> bool {
-        let removed = lock(&self.open).remove(&(name.to_owned(), guest_port));
-        removed.map(stop).is_some()
+    /// Stop one listener; its exposure gate (see [`Listening::exposing`]), if there was one.
+    pub fn remove(&self, name: &str, guest_port: u16) -> Option<Arc<Mutex<bool>>> {
+        let removed = lock(&self.open).remove(&(name.to_owned(), guest_port))?;
+        let gate = Arc::clone(&removed.exposing);
+        stop(removed);
+        Some(gate)
     }
 
     /// Stop every listener of `name`.

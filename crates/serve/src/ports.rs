@@ -312,14 +312,21 @@ impl Manager {
         }
         let running = inner.vmm.is_some();
         drop(inner);
-        self.ports.remove(&sandbox.name, guest_port);
         // The VMM's side stops forwarding too (its socket removed): a running VMM that
         // forwarded this port would otherwise keep doing so until it ended. A sleeping one has
-        // nothing to stop (a wake exposes a port again only when a connection asks).
-        let vmm_side = if running {
-            unexpose(sandbox, guest_port)
-        } else {
-            "asleep: nothing forwards it".to_string()
+        // nothing to stop. Done holding the port's gate, marked closed: a connection accepted
+        // before the listener stopped (waking its sandbox, say) does not expose it again.
+        let vmm_side = match self.ports.remove(&sandbox.name, guest_port) {
+            Some(gate) => {
+                let mut closed = lock(&gate);
+                *closed = true;
+                if running {
+                    unexpose(sandbox, guest_port)
+                } else {
+                    "asleep: nothing forwards it".to_string()
+                }
+            }
+            None => "no listener".to_string(),
         };
         self.event(
             "port_closed",
@@ -368,11 +375,12 @@ impl Manager {
             path: "a socket pair for a port's listener".into(),
             source,
         })?;
+        let exposing: Arc<Mutex<bool>> = Arc::default();
         let target = Target {
             name: name.clone(),
             created_ms,
             guest_port,
-            exposing: Arc::default(),
+            exposing: Arc::clone(&exposing),
         };
         let open = Arc::new(AtomicUsize::new(0));
         let counted = Arc::clone(&open);
@@ -394,6 +402,7 @@ impl Manager {
             unix_path,
             stop,
             open,
+            exposing,
         };
         if !self.ports.insert(name, guest_port, listening) {
             return Err(ServeError::Conflict(format!(
@@ -412,8 +421,9 @@ struct Target {
     created_ms: u64,
     guest_port: u16,
     /// One exposure at a time for this port: after a wake, two connections would otherwise
-    /// both ask the VMM's side to expose it, or remove each other's socket.
-    exposing: Arc<Mutex<()>>,
+    /// both ask the VMM's side to expose it, or remove each other's socket. True once the
+    /// port is closed: a connection accepted before then does not expose it again.
+    exposing: Arc<Mutex<bool>>,
 }
 
 impl Target {
@@ -551,7 +561,10 @@ fn guest_stream(sandbox: &Sandbox, sock: &Path, target: &Target) -> Result<UnixS
     if let Ok(s) = UnixStream::connect(&path) {
         return Ok(s);
     }
-    let _one = lock(&target.exposing);
+    let closed = lock(&target.exposing);
+    if *closed {
+        return Err(format!("guest port {guest_port} was closed"));
+    }
     if let Ok(s) = UnixStream::connect(&path) {
         return Ok(s);
     }
@@ -592,7 +605,10 @@ fn unexpose(sandbox: &Sandbox, guest_port: u16) -> String {
     } else {
         sock
     };
-    let body = json!({ "port": guest_port });
+    // Only the manager's own endpoint: one the admin exposed at another (`.../vm/net/expose`)
+    // stays.
+    let path = port_socket(sandbox, guest_port);
+    let body = json!({ "port": guest_port, "on": format!("unix:{}", path.display()) });
     let answer = mayfly_api::request_with_timeout(
         &target,
         "PUT",
@@ -600,12 +616,19 @@ fn unexpose(sandbox: &Sandbox, guest_port: u16) -> String {
         Some(&body),
         UNEXPOSE_WAIT,
     );
-    let _ = std::fs::remove_file(port_socket(sandbox, guest_port));
+    let _ = std::fs::remove_file(&path);
     match answer {
         Ok((200, _)) => "stopped".into(),
-        // Never exposed by this VMM (no connection asked since its start).
-        Ok((409, _)) => "not forwarded".into(),
-        Ok((status, body)) => format!("answered {status}: {body}"),
+        // Never exposed by this VMM (no connection asked since its start), or no NIC.
+        Ok((status, body)) => {
+            let said: String = body["error"]
+                .as_str()
+                .unwrap_or_default()
+                .chars()
+                .take(200)
+                .collect();
+            format!("answered {status}: {said}")
+        }
         Err(e) => format!("did not answer: {e}"),
     }
 }

@@ -344,10 +344,10 @@ impl Controller {
                 },
                 None => (Reply::error(409, NO_NIC), None),
             },
-            Action::NetUnexpose { port } => match self.machine.devices.network_mut() {
+            Action::NetUnexpose { port, on } => match self.machine.devices.network_mut() {
                 Some(VmNet::Kept(_)) => (Reply::error(409, KEPT_OUTSIDE), None),
                 Some(VmNet::Own(network)) => (
-                    crate::outside::unexposed(port, network.unexpose(port)),
+                    crate::outside::unexposed(port, network.unexpose(port, on.as_ref())),
                     None,
                 ),
                 None => (Reply::error(409, NO_NIC), None),

@@ -147,7 +147,7 @@ fn answer(calls: &Receiver<ApiCall>, keeper: &Keeper) {
                 Some(Err(e)) => Reply::error(expose_status(&e), e.to_string()),
                 None => Reply::error(409, NO_NIC),
             },
-            Action::NetUnexpose { port } => match keeper.unexpose(*port) {
+            Action::NetUnexpose { port, on } => match keeper.unexpose(*port, on.as_ref()) {
                 Some(was) => unexposed(*port, was),
                 None => Reply::error(409, NO_NIC),
             },
