@@ -505,6 +505,21 @@ impl Drop for Guest {
     }
 }
 
+/// Resident and proportional set size of process `pid`, KiB (its smaps_rollup); `None` if
+/// it is gone or the file does not parse.
+pub fn rss_pss_kib(pid: u64) -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    Some((field("Rss:")?, field("Pss:")?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::without_agent_log;

@@ -1723,15 +1723,9 @@ fn names_in_policies_are_asked_of_the_guests_resolver_and_unknown_ones_are_refus
 
 /// Resident and proportional memory of process `pid`, bytes (smaps_rollup).
 fn rss_and_pss(pid: u64) -> (u64, u64) {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap();
-    let field = |name: &str| -> u64 {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-            .unwrap_or_else(|| panic!("no {name} in smaps_rollup of {pid}"))
-            * 1024
-    };
-    (field("Rss:"), field("Pss:"))
+    let (rss, pss) = mayfly_tests::guest::rss_pss_kib(pid)
+        .unwrap_or_else(|| panic!("no Rss and Pss in the smaps_rollup of {pid}"));
+    (rss * 1024, pss * 1024)
 }
 
 /// The process a jailed sandbox's VMM is: the one child of its jail's waiter.

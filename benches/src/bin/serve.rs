@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use mayfly_benches::{emit_report, Machine, Stats};
-use mayfly_tests::guest::{Guest, TestDir};
+use mayfly_tests::guest::{rss_pss_kib, Guest, TestDir};
 use mayfly_tests::probe;
 use mayfly_tests::serve::{call, Manager};
 use serde::Serialize;
@@ -666,20 +666,6 @@ fn fork_pair(m: &Manager, sock: &Path, count: usize, out: &mut Composed, k: usiz
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
     }
-}
-
-/// Resident and proportional set size of process `pid`, KiB (its smaps_rollup).
-fn rss_pss_kib(pid: u64) -> Option<(u64, u64)> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
-    let field = |name: &str| -> Option<u64> {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name))?
-            .split_whitespace()
-            .next()?
-            .parse()
-            .ok()
-    };
-    Some((field("Rss:")?, field("Pss:")?))
 }
 
 /// The composed sandbox against its parts: see the module docs.
