@@ -494,6 +494,22 @@ fn ten_clones_reach_the_server_at_once_each_as_itself() {
     }
 }
 
+/// `mayfly net --expose PORT` on the VM at `sock`: where the host listens.
+fn expose(sock: &std::path::Path, port: u16) -> SocketAddr {
+    let out: serde_json::Value = serde_json::from_str(&mayfly_ok(&[
+        "net",
+        "--sock",
+        &sock.to_string_lossy(),
+        "--expose",
+        &port.to_string(),
+    ]))
+    .unwrap();
+    let host = out["host"].as_str().unwrap();
+    host.strip_prefix("tcp:")
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("not a TCP address: {out}"))
+}
+
 /// The first line a server at `addr` sends, tried for up to 60 s (the guest's listener may
 /// take a moment to come up); empty if none came.
 fn first_line_from(addr: SocketAddr) -> String {
@@ -521,17 +537,8 @@ fn an_exposed_guest_port_answers_on_the_host_and_kill_9_leaves_nothing() {
         &sock,
         "(while true; do echo served-by-guest | nc -l -p 8000; done) >/dev/null 2>&1 & echo ok",
     );
-    let out: serde_json::Value = serde_json::from_str(&mayfly_ok(&[
-        "net",
-        "--sock",
-        &sock.to_string_lossy(),
-        "--expose",
-        "8000",
-    ]))
-    .unwrap();
-    let host = out["host"].as_str().unwrap();
-    let addr: SocketAddr = host.strip_prefix("tcp:").unwrap().parse().unwrap();
-    assert!(addr.ip().is_loopback(), "{host}");
+    let addr = expose(&sock, 8000);
+    assert!(addr.ip().is_loopback(), "{addr}");
     let line = first_line_from(addr);
     assert_eq!(line.trim(), "served-by-guest");
 
@@ -573,21 +580,7 @@ fn an_exposed_guest_port_answers_on_the_host_and_kill_9_leaves_nothing() {
     assert!(!again.status.success());
     let said = String::from_utf8_lossy(&again.stderr);
     assert!(said.contains("not exposed"), "{said}");
-    let out: serde_json::Value = serde_json::from_str(&mayfly_ok(&[
-        "net",
-        "--sock",
-        &sock.to_string_lossy(),
-        "--expose",
-        "8000",
-    ]))
-    .unwrap();
-    let addr: SocketAddr = out["host"]
-        .as_str()
-        .unwrap()
-        .strip_prefix("tcp:")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let addr = expose(&sock, 8000);
     let line = first_line_from(addr);
     assert_eq!(line.trim(), "served-by-guest", "exposed again");
 

@@ -203,34 +203,30 @@ fn fork_from_outside(args: &ForkArgs) -> ExitCode {
 /// `mayfly net`: the VM's network, a new egress policy, or a guest port exposed.
 pub(crate) fn net(args: NetArgs) -> ExitCode {
     let sock = &args.sock.sock;
+    // A jailed VM's network is kept by its jail's waiter, which serves its changes beside
+    // the VM's socket (see mayfly_vmm::outside).
+    let kept = mayfly_vmm::outside::network_socket(sock);
+    let changes = if kept.exists() { &kept } else { sock };
     if let Some(port) = args.unexpose {
         let request = UnexposeBody {
             port: Some(Port(port)),
             on: None,
         };
-        let kept = mayfly_vmm::outside::network_socket(sock);
-        let sock = if kept.exists() { &kept } else { sock };
-        return client(sock, "PUT", "/vm/net/unexpose", Some(body(&request)));
+        return client(changes, "PUT", "/vm/net/unexpose", Some(body(&request)));
     }
     match (args.policy, args.expose) {
         (Some(policy), _) => {
             let request = NetPolicyBody {
                 policy: Some(policy),
             };
-            // A jailed VM's network is kept by its jail's waiter, which serves the policy
-            // beside the VM's socket (see mayfly_vmm::outside).
-            let kept = mayfly_vmm::outside::network_socket(sock);
-            let sock = if kept.exists() { &kept } else { sock };
-            client(sock, "PUT", "/vm/net/policy", Some(body(&request)))
+            client(changes, "PUT", "/vm/net/policy", Some(body(&request)))
         }
         (None, Some(port)) => {
             let request = ExposeBody {
                 port: Some(Port(port)),
                 on: Some(args.on),
             };
-            let kept = mayfly_vmm::outside::network_socket(sock);
-            let sock = if kept.exists() { &kept } else { sock };
-            client(sock, "PUT", "/vm/net/expose", Some(body(&request)))
+            client(changes, "PUT", "/vm/net/expose", Some(body(&request)))
         }
         (None, None) => client(sock, "GET", "/vm/net", None),
     }

@@ -528,11 +528,12 @@ fn relay(manager: &Manager, target: &Target, client: Stream) {
             json!({ "guest_port": target.guest_port, "error": error }),
         );
     };
-    let (_activity, sock) = match manager.enter_connection(&sandbox) {
+    // The VMM's socket it answers is the sandbox's own (see network_side).
+    let (_activity, _) = match manager.enter_connection(&sandbox) {
         Ok(entered) => entered,
         Err(e) => return unreachable(e.to_string()),
     };
-    let upstream = match guest_stream(&sandbox, &sock, target) {
+    let upstream = match guest_stream(&sandbox, target) {
         Ok(s) => s,
         Err(e) => return unreachable(e),
     };
@@ -555,7 +556,7 @@ fn pump(mut from: Stream, mut to: Stream) {
 
 /// A connection to `guest_port` of the sandbox's guest, through the Unix socket its VMM's
 /// side forwards: exposed now if it is not yet (after a wake: a new VMM).
-fn guest_stream(sandbox: &Sandbox, sock: &Path, target: &Target) -> Result<UnixStream, String> {
+fn guest_stream(sandbox: &Sandbox, target: &Target) -> Result<UnixStream, String> {
     let guest_port = target.guest_port;
     let path = port_socket(sandbox, guest_port);
     if let Ok(s) = UnixStream::connect(&path) {
@@ -570,12 +571,7 @@ fn guest_stream(sandbox: &Sandbox, sock: &Path, target: &Target) -> Result<UnixS
     }
     // A socket an earlier VMM bound (it died, or slept) and nobody serves now.
     let _ = std::fs::remove_file(&path);
-    // A jailed sandbox's network is kept by its jail's waiter, which exposes it.
-    let target = if sandbox.jailed() {
-        mayfly_api::network_socket(sock)
-    } else {
-        sock.to_path_buf()
-    };
+    let target = network_side(sandbox);
     let body = json!({ "port": guest_port, "on": format!("unix:{}", path.display()) });
     match mayfly_api::request_with_timeout(
         &target,
@@ -599,12 +595,7 @@ fn guest_stream(sandbox: &Sandbox, sock: &Path, target: &Target) -> Result<UnixS
 /// `guest_port`, best effort: a VMM that does not answer in time keeps a forwarder nobody
 /// reaches (its socket is removed here) until it ends. What it answered, in words.
 fn unexpose(sandbox: &Sandbox, guest_port: u16) -> String {
-    let sock = sandbox.socket();
-    let target = if sandbox.jailed() {
-        mayfly_api::network_socket(&sock)
-    } else {
-        sock
-    };
+    let target = network_side(sandbox);
     // Only the manager's own endpoint: one the admin exposed at another (`.../vm/net/expose`)
     // stays.
     let path = port_socket(sandbox, guest_port);
@@ -630,6 +621,17 @@ fn unexpose(sandbox: &Sandbox, guest_port: u16) -> String {
             format!("answered {status}: {said}")
         }
         Err(e) => format!("did not answer: {e}"),
+    }
+}
+
+/// Where `sandbox`'s ports are exposed and unexposed: a jailed sandbox's network is kept by
+/// its jail's waiter (its `.net` socket), an unjailed one's by its VMM.
+fn network_side(sandbox: &Sandbox) -> PathBuf {
+    let sock = sandbox.socket();
+    if sandbox.jailed() {
+        mayfly_api::network_socket(&sock)
+    } else {
+        sock
     }
 }
 
