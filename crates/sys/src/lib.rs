@@ -1,6 +1,6 @@
 //! The process plumbing every mayfly program shares and std lacks: pidfds, seqpacket sockets,
-//! poll, fork into a cgroup, claimed socket paths, mountinfo, atomic file writes, file
-//! extents, the terminal and phase traces. Nothing here knows about VMs: it is the layer
+//! poll, fork into a cgroup, claimed socket paths, mountinfo, atomic file writes, memfd seals,
+//! file extents, the terminal and phase traces. Nothing here knows about VMs: it is the layer
 //! below all of them.
 
 pub mod atomic;
@@ -11,6 +11,7 @@ pub mod fork;
 pub mod mountinfo;
 pub mod pidfd;
 pub mod poll;
+pub mod seal;
 pub mod seqpacket;
 pub mod socket;
 pub mod terminal;

@@ -43,7 +43,12 @@ pub enum MemoryError {
     Copy(std::io::Error),
     #[error("guest memory layout is invalid: {0}")]
     Layout(String),
-    #[error("cannot seal the fork's memory base so that nothing can change it: {0}")]
+    #[error(
+        "cannot seal the fork's memory base so that nothing can change it: {0} (if busy: the \
+         host kept moving its pages for {patience}s, or something maps it for writing; try the \
+         fork again)",
+        patience = mayfly_sys::seal::SEAL_PATIENCE.as_secs()
+    )]
     Seal(std::io::Error),
 }
 
@@ -53,9 +58,11 @@ const BASE_SEALS: libc::c_int =
 
 /// Seal `file` (a memfd this process made with MFD_ALLOW_SEALING) as a memory base.
 fn seal_base(file: &File) -> Result<(), MemoryError> {
-    // SAFETY: fcntl on a descriptor we own; the result is checked.
-    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, BASE_SEALS) } < 0 {
-        return Err(MemoryError::Seal(std::io::Error::last_os_error()));
+    let again = mayfly_sys::seal::add_seals(file, BASE_SEALS).map_err(MemoryError::Seal)?;
+    if again > 0 {
+        eprintln!(
+            "mayfly: the fork's memory base sealed after {again} more tries (pages being moved)"
+        );
     }
     Ok(())
 }
@@ -331,12 +338,8 @@ impl GuestRam {
         if fresh_base {
             let base = memfd(self.size())?;
             copied = self.write_sparse(&base).map_err(MemoryError::Copy)?.bytes;
-            // Sealed before anything maps it. F_SEAL_WRITE fails (EBUSY) while any page of
-            // the file has a reference besides its mappings, and the kernel waits only ~75 ms
-            // for such references to go: sealed after the remap below, a fork of a restored
-            // parent failed so once in CI, on a loaded host (which reference it was is not
-            // known: this host's shmem has no huge pages, so not khugepaged). A file nothing
-            // has mapped yet has no such reference.
+            // Sealed before anything maps it. (F_SEAL_WRITE also waits for the kernel to
+            // stop moving the file's pages; see mayfly_sys::seal.)
             mayfly_snapshot::write_trailer(&base, self.size(), snapshot_id)
                 .map_err(MemoryError::Copy)?;
             seal_base(&base)?;
@@ -368,7 +371,7 @@ impl GuestRam {
         if !fresh_base {
             // This VM's own memfd becomes the base: no shared mapping of it is left anywhere
             // now, so it can be sealed, and not even this VMM can change what the clones map.
-            // (The same wait applies; huge pages are asked for only after the seal.)
+            // Huge pages are asked for only after the seal.
             mayfly_snapshot::write_trailer(&self.backing, self.size(), snapshot_id)
                 .map_err(MemoryError::Copy)?;
             seal_base(&self.backing)?;

@@ -455,12 +455,7 @@ fn sealed_memfd(bytes: &[u8]) -> Result<File, ForkError> {
     file.write_all(bytes)
         .map_err(io("write the fork's state file"))?;
     let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
-    // SAFETY: fcntl on our own memfd; the result is checked.
-    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
-        return Err(io("seal the fork's state file")(
-            std::io::Error::last_os_error(),
-        ));
-    }
+    mayfly_sys::seal::add_seals(&file, seals).map_err(io("seal the fork's state file"))?;
     Ok(file)
 }
 
