@@ -789,6 +789,58 @@ fn a_fork_makes_sandboxes_of_their_own_from_one_snapshot_running_or_asleep() {
     assert_eq!(m.events("forked", "src-2"), 1);
 }
 
+/// A running sandbox made from a template forks without a copy of the template's memory: its
+/// VMM hands over the template's memory file as it is (root's, nobody else may write it: the
+/// manager checks) and a sealed memfd of only the pages it changed, and each jailed clone
+/// finds every page. A clone forks the same way, sleeps and wakes with its pages, and outlives
+/// its source.
+#[test]
+fn a_fork_of_a_sandbox_made_from_a_template_copies_only_the_pages_it_changed() {
+    let dir = TestDir::new("serve-fork-template");
+    let m = Manager::start(&dir);
+    let template =
+        json!({ "kernel": probe::ELF, "mem_mib": 64, "cmdline": "touch=1", "probe": true });
+    m.create(json!({ "name": "src", "template": template }));
+    m.wait_probe("src", "verified", 1);
+    // The probe wrote every page of its 64 MiB when the template was built: a copy of its
+    // memory would be all of that.
+    let fork = |source: &str, request: Value| -> Value {
+        let (status, body) = m.admin("POST", &format!("/sandboxes/{source}/fork"), Some(request));
+        assert_eq!(status, 201, "{body}");
+        let copied = body["copied_bytes"].as_u64().expect("copied_bytes");
+        assert!(copied < 4 << 20, "the fork copied {copied} bytes: {body}");
+        body
+    };
+    let body = fork("src", json!({ "count": 2 }));
+    let uids: std::collections::HashSet<u64> = body["clones"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["uid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(uids.len(), 2, "{body}");
+    m.wait_probe("src-1", "verified", 1);
+    m.wait_probe("src-2", "verified", 1);
+    // A clone's own fork: the same template file at the bottom, its own pages above.
+    fork("src-1", json!({ "names": ["grand"] }));
+    m.wait_probe("grand", "verified", 1);
+    // The source goes; a clone sleeps (a full snapshot: it cannot name a fork's memory in a
+    // diff) and wakes with every page.
+    let (status, body) = m.admin("DELETE", "/sandboxes/src", None);
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = m.admin("PUT", "/sandboxes/src-1/pause", None);
+    assert_eq!(
+        (status, &body["state"]),
+        (200, &json!("suspended")),
+        "{body}"
+    );
+    let (status, body) = m.admin("PUT", "/sandboxes/src-1/resume", None);
+    assert_eq!((status, &body["state"]), (200, &json!("running")), "{body}");
+    m.wait_probe("src-1", "verified", 2);
+    m.wait_probe("grand", "verified", 1);
+    assert_eq!(m.describe("src-2")["state"], "running");
+}
+
 /// Every operation of the OpenAPI document the manager serves (`GET /openapi.json`), sent to a
 /// running manager with a probe sandbox: the answer's status is one the document gives for it
 /// (so no route it lists is missing, and no answer is undocumented), every other method on a

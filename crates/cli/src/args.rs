@@ -139,9 +139,14 @@ pub(crate) struct ZygoteArgs {
     /// The fork's state.
     #[arg(long, value_name = "FD")]
     pub(crate) state_fd: i32,
-    /// The fork's memory base.
-    #[arg(long, value_name = "FD")]
-    pub(crate) memory_fd: i32,
+    /// The fork's memory: its files, bottom first.
+    #[arg(
+        long,
+        value_name = "FD[,FD...]",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub(crate) memory_fd: Vec<i32>,
     /// The fork's socket.
     #[arg(long, value_name = "FD")]
     pub(crate) socket_fd: i32,

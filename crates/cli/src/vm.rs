@@ -237,5 +237,5 @@ pub(crate) fn zygote(args: ZygoteArgs) -> ExitCode {
     if std::env::var_os("MAYFLY_TRACE").is_some() {
         trace::enable();
     }
-    mayfly_vmm::launch::zygote(args.state_fd, args.memory_fd, args.socket_fd)
+    mayfly_vmm::launch::zygote(args.state_fd, &args.memory_fd, args.socket_fd)
 }

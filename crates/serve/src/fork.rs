@@ -342,6 +342,7 @@ fn fork_live(
     };
     // How long the source was paused for its capture (at most), as the helper says.
     let mut source_paused_ms = 0.0;
+    let mut copied_bytes = 0;
     let result = (|| {
         // 1. The clones as sandboxes, and their places.
         let mut placements = Vec::with_capacity(names.len());
@@ -398,6 +399,7 @@ fn fork_live(
             .iter()
             .filter_map(|k| report[k].as_f64())
             .sum();
+        copied_bytes = report["copied_bytes"].as_u64().unwrap_or(0);
         let listed = report["clones"].as_array().cloned().unwrap_or_default();
         if listed.len() != names.len() {
             return Err(ServeError::VmmFailed(format!(
@@ -491,7 +493,12 @@ fn fork_live(
     manager.event(
         "forked",
         &source.name,
-        json!({ "clones": names, "ms": ms, "source_paused_ms": source_paused_ms }),
+        json!({
+            "clones": names,
+            "ms": ms,
+            "source_paused_ms": source_paused_ms,
+            "copied_bytes": copied_bytes,
+        }),
     );
     Ok(Some(json!({
         "source": source.name,
@@ -499,6 +506,7 @@ fn fork_live(
         "ms": ms,
         "snapshot_ms": 0.0,
         "source_paused_ms": source_paused_ms,
+        "copied_bytes": copied_bytes,
     })))
 }
 

@@ -153,25 +153,25 @@ pub fn start_clone(prepared: restore::Prepared, instance: Instance, report: Repo
     std::process::exit(1)
 }
 
-/// `mayfly zygote --state-fd S --memory-fd M --socket-fd K`, started by a fork of this process
+/// `mayfly zygote --state-fd S --memory-fd M[,M...] --socket-fd K`, started by a fork of this process
 /// (see [`crate::persist::zygote`]): it makes the fork's clones, each running
 /// [`start_clone`], and returns the zygote's exit status. A program that embeds mayfly and
 /// forks VMs answers that command line the same way (the zygote is started as
 /// `/proc/self/exe zygote ...`).
-pub fn zygote(state_fd: i32, memory_fd: i32, socket_fd: i32) -> ExitCode {
+pub fn zygote(state_fd: i32, memory_fds: &[i32], socket_fd: i32) -> ExitCode {
     if let Err(err) = crate::memory::ram::install_sigbus_handler() {
         return fail(format!("cannot set up signal handling: {err}"));
     }
     ExitCode::from(crate::persist::zygote::serve(
         state_fd,
-        memory_fd,
+        memory_fds,
         socket_fd,
         start_clone,
     ))
 }
 
 /// For a program that embeds mayfly and forks VMs: call first thing in `main`. When this
-/// process was started as a fork's zygote (`<this program> zygote --state-fd S --memory-fd M
+/// process was started as a fork's zygote (`<this program> zygote --state-fd S --memory-fd M[,M...]
 /// --socket-fd K`, as the fork starts it), it runs the zygote and returns its exit status;
 /// otherwise it returns `None` and the program goes on.
 pub fn zygote_if_asked() -> Option<ExitCode> {
@@ -184,12 +184,23 @@ pub fn zygote_if_asked() -> Option<ExitCode> {
             .find(|pair| pair[0] == name)
             .and_then(|pair| pair[1].parse::<i32>().ok())
     };
+    let fds = |name: &str| {
+        args.windows(2)
+            .find(|pair| pair[0] == name)
+            .and_then(|pair| {
+                pair[1]
+                    .split(',')
+                    .map(|fd| fd.parse::<i32>().ok())
+                    .collect::<Option<Vec<_>>>()
+            })
+    };
     Some(
-        match (fd("--state-fd"), fd("--memory-fd"), fd("--socket-fd")) {
-            (Some(state), Some(memory), Some(socket)) => zygote(state, memory, socket),
-            _ => {
-                fail("zygote: expected --state-fd N --memory-fd N --socket-fd N (a fork starts it)")
-            }
+        match (fd("--state-fd"), fds("--memory-fd"), fd("--socket-fd")) {
+            (Some(state), Some(memory), Some(socket)) => zygote(state, &memory, socket),
+            _ => fail(
+                "zygote: expected --state-fd N --memory-fd N[,N...] --socket-fd N (a fork \
+                 starts it)",
+            ),
         },
     )
 }

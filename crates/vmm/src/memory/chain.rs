@@ -9,6 +9,11 @@ use std::path::{Path, PathBuf};
 
 use mayfly_snapshot::{Extent, VmState, MEMORY_LAYERS_DIR};
 
+/// How a chain names a layer that is a fork's sealed memfd, not a file of a snapshot
+/// directory: as the kernel names the memfd in /proc/PID/fd (a full path, as a state's
+/// memory layers must be outside `memory-layers/`).
+pub const FORK_LAYER_PATH: &str = "/memfd:mayfly-guest-ram";
+
 /// One memory file of the chain a copy-on-write VM's RAM maps.
 #[derive(Debug)]
 pub struct ChainLayer {
@@ -19,6 +24,9 @@ pub struct ChainLayer {
     pub snapshot_id: [u8; 16],
     /// `None` for the bottom layer (all of RAM); the ranges it holds otherwise.
     pub extents: Option<Vec<Extent>>,
+    /// Handed over by a fork (a descriptor, not a file of a snapshot directory): a diff
+    /// snapshot cannot link it.
+    pub from_fork: bool,
 }
 
 /// Open the chain a snapshot's state names (for a diff; a full snapshot is a chain of one):
@@ -91,6 +99,7 @@ pub fn open_chain(
             path,
             snapshot_id: layer.snapshot_id,
             extents: layer.extents.clone(),
+            from_fork: false,
         });
     }
     chain.push(ChainLayer {
@@ -98,6 +107,7 @@ pub fn open_chain(
         path: snapshot_dir.join(mayfly_snapshot::MEMORY_FILE),
         snapshot_id: state.snapshot_id,
         extents: state.memory_extents.clone(),
+        from_fork: false,
     });
     Ok(chain)
 }

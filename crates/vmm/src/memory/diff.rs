@@ -178,7 +178,7 @@ pub fn check_layered(ram: &GuestRam) -> Result<(), DiffError> {
             _ => "has its memory in a memfd: booted, restored eagerly, or a fork's clone",
         }));
     }
-    if ram.chain.is_empty() {
+    if ram.chain.is_empty() || ram.chain.iter().any(|layer| layer.from_fork) {
         return Err(DiffError::NotLayered("maps a fork's memory base"));
     }
     Ok(())

@@ -101,6 +101,19 @@ impl GuestRam {
         for region in self.host_regions() {
             let region_end = region.file_offset + region.len as u64;
             let present = mapped_pages(region.host_addr, region.len)?;
+            // Consecutive non-zero mapped pages go out in one write (a fork's pause is this).
+            let mut run: Option<(usize, usize)> = None;
+            let flush = |run: &mut Option<(usize, usize)>, written: &mut u64| {
+                if let Some((first, count)) = run.take() {
+                    // SAFETY: the run lies inside the region's mapping; the vCPUs are paused.
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts(region.host_addr.add(first * PAGE), count * PAGE)
+                    };
+                    out.write_all_at(bytes, region.file_offset + (first * PAGE) as u64)?;
+                    *written += bytes.len() as u64;
+                }
+                Ok::<(), std::io::Error>(())
+            };
             for extent in extents {
                 let start = extent.offset.max(region.file_offset);
                 let end = extent.end().min(region_end);
@@ -108,22 +121,36 @@ impl GuestRam {
                 while offset < end {
                     let page = usize::try_from((offset - region.file_offset) / PAGE as u64)
                         .expect("inside a mapped region");
-                    let bytes: &[u8] = if present[page] {
+                    offset += PAGE as u64;
+                    if present[page] {
                         // SAFETY: a mapped page inside the region; the vCPUs are paused.
-                        unsafe {
+                        let bytes = unsafe {
                             std::slice::from_raw_parts(region.host_addr.add(page * PAGE), PAGE)
+                        };
+                        if !is_zero(bytes) {
+                            match &mut run {
+                                Some((first, count)) if *first + *count == page => *count += 1,
+                                _ => {
+                                    flush(&mut run, &mut written)?;
+                                    run = Some((page, 1));
+                                }
+                            }
+                            continue;
                         }
                     } else {
-                        crate::memory::chain::read_chain_page(&self.chain, offset, &mut page_buf)?;
-                        &page_buf
-                    };
-                    if !is_zero(bytes) {
-                        out.write_all_at(bytes, offset)?;
-                        written += PAGE as u64;
+                        let at = offset - PAGE as u64;
+                        crate::memory::chain::read_chain_page(&self.chain, at, &mut page_buf)?;
+                        if !is_zero(&page_buf) {
+                            flush(&mut run, &mut written)?;
+                            out.write_all_at(&page_buf, at)?;
+                            written += PAGE as u64;
+                            continue;
+                        }
                     }
-                    offset += PAGE as u64;
+                    flush(&mut run, &mut written)?;
                 }
             }
+            flush(&mut run, &mut written)?;
         }
         Ok(written)
     }

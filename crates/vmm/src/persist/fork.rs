@@ -2,11 +2,15 @@
 //! its own control socket, console and name.
 //!
 //! 1. Pause the parent and read its state (as a snapshot does).
-//! 2. Freeze its memory into an immutable base (`GuestRam::freeze`): a VM whose RAM is a
-//!    memfd hands over that memfd as is, with no copy, and carries on with a private
-//!    (copy-on-write) mapping of it; any other VM first writes its memory, sparse, into a new
-//!    memfd. The parent and every clone map the base privately: clean pages stay shared
-//!    through the page cache, each side's writes stay its own, and nobody writes the base.
+//! 2. Freeze its memory into files nobody writes. A VM whose RAM is a memfd hands over that
+//!    memfd as is, with no copy, and carries on with a private (copy-on-write) mapping of it
+//!    (`GuestRam::freeze`). A VM restored copy-on-write from a snapshot hands over that
+//!    snapshot's memory file as it is and, above it, a new sealed memfd of only the pages that
+//!    differ from it (`GuestRam::freeze_layered`; the state names the two as memory layers),
+//!    and runs on on its own mapping, untouched. Any other VM (a lazy restore, a clone of a
+//!    booted VM, a jailed VM over a file of its own) first writes its memory, sparse, into a
+//!    new memfd. The parent and every clone map the files privately: clean pages stay shared
+//!    through the page cache, each side's writes stay its own, and nobody writes the files.
 //! 3. Start the clones from a zygote ([`crate::persist::zygote`]): one `mayfly zygote` process per
 //!    fork, given the state (a sealed memfd) and the base as inherited descriptors (nothing
 //!    goes to disk), prepares the restore once and fork(2)s one child per clone, each child
@@ -26,8 +30,13 @@
 //! parent's pages unshared (55 MiB in all). fork(2) of the VMM cannot carry a KVM VM into the
 //! child (a VM belongs to the process that created it) and a forked multi-threaded process must
 //! not allocate; userfaultfd COPY would give every clone a private copy of each page it touches.
-//! A VM that is not memfd-backed (restored copy-on-write or lazily, or itself a clone) has no
-//! single file holding its memory, so its fork copies (sparse) once, and then shares as above.
+//! A VM that is not memfd-backed has no single file holding its memory. Restored
+//! copy-on-write from a template (what the sandbox manager runs), it copied all of it (130 MB
+//! for a 128 MiB probe: the source paused 125 ms, this project's host); handing over the
+//! snapshot file and a diff copies only what the VM changed (the probe: 20 KiB, paused
+//! ~1 ms). Only the snapshot at the bottom goes as it is: a woken sandbox's earlier diffs and
+//! a fork's memfd base hold its past (pages it has since overwritten), which its clones must
+//! not hold, so those pages are copied as the VM sees them now.
 
 use std::fs::File;
 use std::io::Write;
@@ -148,7 +157,8 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ForkError {
 pub struct ForkReport {
     pub parent: String,
     pub clones: Vec<CloneInfo>,
-    /// Bytes copied into a new memory base (0 when the parent's own memfd became the base).
+    /// Bytes of memory copied: into a new base, or the pages that differ from the snapshot a
+    /// parent restored copy-on-write hands over (0 when the parent's own memfd became the base).
     pub copied_bytes: u64,
     pub pause_ms: f64,
     pub state_ms: f64,
@@ -623,7 +633,7 @@ fn fork_paused(
 ) -> Result<ForkReport, ForkError> {
     let frozen = freeze(vm, start, pause_ms)?;
     // The zygote starts (exec) while this VMM claims the clones' names.
-    let zygote = Zygote::spawn(&frozen.state, &frozen.base)?;
+    let zygote = Zygote::spawn(&frozen.state, &frozen.memory)?;
     mayfly_sys::trace::event("fork_zygote_spawned");
     let zygote_ms =
         start.elapsed().as_secs_f64() * 1e3 - pause_ms - frozen.state_ms - frozen.freeze_ms;
@@ -660,8 +670,9 @@ fn fork_paused(
 struct Frozen {
     /// The state, in a sealed memfd.
     state: File,
-    /// The memory base nobody writes.
-    base: File,
+    /// The memory files nobody writes, bottom first: one base, or the files the parent maps
+    /// and a sealed memfd of the pages it wrote (the state names them as memory layers).
+    memory: Vec<File>,
     copied_bytes: u64,
     /// Whether the VM has writable disks (each clone then gets a layer directory).
     disks: bool,
@@ -676,35 +687,67 @@ fn freeze(vm: &mut Machine, start: Instant, pause_ms: f64) -> Result<Frozen, For
         .freeze_disks()
         .map_err(SnapshotCreateError::from)?;
     let disks = vm.devices.has_writable_disks();
-    let state = capture::capture_state(vm)?;
-    let state_file = sealed_memfd(&mayfly_snapshot::file::encode(
-        &capture::header(vm),
-        &state,
-    )?)?;
+    let mut state = capture::capture_state(vm)?;
     let state_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms;
     mayfly_sys::trace::event("fork_state_captured");
 
     // fork_copy (MAYFLY_FORK_COPY): measure the alternative to handing the memory over (see
     // above).
-    let (base, copied_bytes) = if crate::settings::get().fork_copy {
-        vm.ram.copy_to_memfd(&state.snapshot_id)?
+    let (memory, copied_bytes) = if crate::settings::get().fork_copy {
+        let (base, copied) = vm.ram.copy_to_memfd(&state.snapshot_id)?;
+        (vec![base], copied)
+    } else if let Some((layers, copied)) =
+        vm.ram.freeze_layered(&state.snapshot_id, handed_as_is)?
+    {
+        // A parent restored copy-on-write: the snapshot file under it as it is, and above it
+        // the pages that differ from it.
+        let (top, below) = layers.split_last().expect("a top layer");
+        state.memory_extents = top.extents.clone();
+        state.memory_layers = below
+            .iter()
+            .map(|layer| mayfly_snapshot::MemoryLayer {
+                path: layer.path.clone(),
+                snapshot_id: layer.snapshot_id,
+                extents: layer.extents.clone(),
+            })
+            .collect();
+        (layers.into_iter().map(|layer| layer.file).collect(), copied)
     } else {
         // A lazily restored VM's handler may still be loading pages: stop it before its
         // mapping is replaced (its copies would fail on the new one). Nothing is lost: the
         // base is written from what is mapped and, for the rest, from the snapshot's file.
         drop(vm.lazy.take());
-        vm.ram.freeze(&state.snapshot_id)?
+        let (base, copied) = vm.ram.freeze(&state.snapshot_id)?;
+        (vec![base], copied)
     };
+    let state_file = sealed_memfd(&mayfly_snapshot::file::encode(
+        &capture::header(vm),
+        &state,
+    )?)?;
     let freeze_ms = start.elapsed().as_secs_f64() * 1e3 - pause_ms - state_ms;
     mayfly_sys::trace::event("fork_frozen");
     Ok(Frozen {
         state: state_file,
-        base,
+        memory,
         copied_bytes,
         disks,
         state_ms,
         freeze_ms,
     })
+}
+
+/// Whether the snapshot file under a parent's memory may go to its clones as it is, not
+/// copied: always for an unjailed VMM (its clones are its own children); for a jailed one,
+/// only a file that the jail's uid cannot change, as its fork's maker checks
+/// ([`check_memory_layer`]): root's, and nobody else may write it (the sandbox manager's
+/// template). A file of the jail's own (a snapshot it wrote) is copied instead.
+fn handed_as_is(file: &File) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    if mayfly_jail::jail::current().is_none() {
+        return true;
+    }
+    file.metadata()
+        .is_ok_and(|meta| meta.file_type().is_file() && meta.uid() == 0 && meta.mode() & 0o022 == 0)
 }
 
 /// The clones of one fork, as they are to be made (steps 3 and 4).
@@ -904,7 +947,12 @@ pub struct Captured {
     /// This process's descriptors that hold the state (a sealed memfd) and the memory base,
     /// until `PUT /vm/fork/release` or the next capture.
     pub state_fd: i32,
+    /// The memory base, or the top layer of the memory (the parent's own pages) when the
+    /// state names layers under it.
     pub memory_fd: i32,
+    /// The memory layers under `memory_fd`, bottom first (none for one base).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub memory_layer_fds: Vec<i32>,
     pub parent: String,
     /// The clones are numbered from here (this many numbers are kept for them).
     pub first_clone: u32,
@@ -923,7 +971,7 @@ pub struct Captured {
 #[derive(Debug)]
 pub struct HeldCapture {
     _state: File,
-    _base: File,
+    _memory: Vec<File>,
 }
 
 /// `PUT /vm/fork/capture`: steps 1 and 2 only, for a fork made from outside this VMM. The
@@ -952,7 +1000,11 @@ pub fn capture(
         .ok_or(ForkError::NamesExhausted)?;
     let captured = Captured {
         state_fd: frozen.state.as_raw_fd(),
-        memory_fd: frozen.base.as_raw_fd(),
+        memory_fd: frozen.memory.last().expect("a memory file").as_raw_fd(),
+        memory_layer_fds: frozen.memory[..frozen.memory.len() - 1]
+            .iter()
+            .map(|file| file.as_raw_fd())
+            .collect(),
         parent: vm.info.identity.name.clone(),
         first_clone,
         disks: frozen.disks,
@@ -965,7 +1017,7 @@ pub fn capture(
     };
     let held = HeldCapture {
         _state: frozen.state,
-        _base: frozen.base,
+        _memory: frozen.memory,
     };
     Ok((captured, held))
 }
@@ -1047,11 +1099,27 @@ pub fn fork_from_outside(
                 Ok(file)
             };
             let state = take(captured.state_fd, "state")?;
-            let base = take(captured.memory_fd, "memory")?;
-            Ok((captured, state, base))
+            if captured.memory_layer_fds.len() >= mayfly_snapshot::MAX_MEMORY_LAYERS {
+                return Err(ForkError::Capture(format!(
+                    "its memory has {} layers",
+                    captured.memory_layer_fds.len() + 1
+                )));
+            }
+            let mut memory = Vec::with_capacity(captured.memory_layer_fds.len() + 1);
+            for &fd in &captured.memory_layer_fds {
+                let file = mayfly_sys::pidfd::get_fd(&server, fd)
+                    .map(File::from)
+                    .map_err(io(
+                        "take the fork's memory layers from the VMM (pidfd_getfd)",
+                    ))?;
+                check_memory_layer(&file).map_err(ForkError::Capture)?;
+                memory.push(file);
+            }
+            memory.push(take(captured.memory_fd, "memory")?);
+            Ok((captured, state, memory))
         });
     let _ = mayfly_api::request(api_sock, "PUT", "/vm/fork/release", None);
-    let (captured, state, base) = taken?;
+    let (captured, state, memory) = taken?;
     let jail = match (&captured.jail, &placed) {
         // The clones' jail is the parent's as the kernel says it, not as its answer does.
         (Some(claimed), _) => {
@@ -1082,7 +1150,7 @@ pub fn fork_from_outside(
         link_moved_layers(&state, &placed.clones)?;
     }
     on_captured();
-    let zygote = Zygote::spawn(&state, &base)?;
+    let zygote = Zygote::spawn(&state, &memory)?;
     let zygote_ms = start.elapsed().as_secs_f64() * 1e3;
     let names = match placed {
         Some(Placed { clones, policy }) => Naming::Placed { clones, policy },
@@ -1116,6 +1184,38 @@ pub fn fork_from_outside(
         total_ms: start.elapsed().as_secs_f64() * 1e3,
         release,
     })
+}
+
+/// A memory layer a jailed VMM hands over under its own pages (a fork of a VM restored
+/// copy-on-write): the clones map it, so nothing but this process's owner may be able to
+/// change it. A sealed memfd (an earlier fork's) cannot change; any other file must be a
+/// regular file of this process's owner (root: the snapshot a sandbox was restored from)
+/// that no one else may write. The restore then checks its trailer against the layer the
+/// fork's state names. Why not more: a VMM can hand over only files it can open, and a
+/// jailed one sees only its own jail's.
+fn check_memory_layer(file: &File) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: fcntl on a descriptor this process owns; it only reads its seals.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    let wanted = libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+    if seals >= 0 && seals & wanted == wanted {
+        return Ok(());
+    }
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("its memory layer cannot be looked at: {e}"))?;
+    // SAFETY: geteuid has no preconditions.
+    let owner = unsafe { libc::geteuid() };
+    if !meta.file_type().is_file() || meta.uid() != owner || meta.mode() & 0o022 != 0 {
+        return Err(format!(
+            "its memory layer is not a sealed memfd nor a file only uid {owner} may write \
+             (owner {}, mode {:o}): it could change under the clones (restore the VM from a \
+             snapshot directory of uid {owner}'s to fork it)",
+            meta.uid(),
+            meta.mode() & 0o7777
+        ));
+    }
+    Ok(())
 }
 
 /// Give each placed clone its own links to the layers its parent's disks stack on under

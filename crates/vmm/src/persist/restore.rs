@@ -73,15 +73,15 @@ impl std::str::FromStr for MemoryMode {
 pub enum SnapshotSource {
     /// A snapshot directory on disk.
     Dir(PathBuf),
-    /// What a fork hands a clone: its state (a sealed memfd) and the memory base, as
-    /// descriptors this process owns.
-    Inherited { state: File, memory: File },
+    /// What a fork hands a clone: its state (a sealed memfd) and its memory, as descriptors
+    /// this process owns: one base, or the layers the state names, bottom first, and the top.
+    Inherited { state: File, memory: Vec<File> },
 }
 
 impl SnapshotSource {
     /// Take over descriptors a fork passed (`--state-fd`, `--memory-fd`): they become
     /// close-on-exec at once, so this VM's own clones never inherit (and pin) them.
-    pub fn inherited(state_fd: i32, memory_fd: i32) -> Result<Self, RestoreError> {
+    pub fn inherited(state_fd: i32, memory_fds: &[i32]) -> Result<Self, RestoreError> {
         let take = |fd: i32, what: &'static str| -> Result<File, RestoreError> {
             // SAFETY: fcntl on a plain integer; F_GETFD only reads the descriptor's flags.
             if fd <= 2 || unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
@@ -101,9 +101,18 @@ impl SnapshotSource {
             }
             Ok(file)
         };
+        if memory_fds.is_empty() || memory_fds.len() > mayfly_snapshot::MAX_MEMORY_LAYERS + 1 {
+            return Err(RestoreError::MemoryLayers(format!(
+                "{} memory files handed over",
+                memory_fds.len()
+            )));
+        }
         Ok(SnapshotSource::Inherited {
             state: take(state_fd, "state")?,
-            memory: take(memory_fd, "memory")?,
+            memory: memory_fds
+                .iter()
+                .map(|&fd| take(fd, "memory"))
+                .collect::<Result<_, _>>()?,
         })
     }
 }
@@ -235,6 +244,7 @@ pub fn load(
     layers_within: Option<&Path>,
 ) -> Result<LoadedSnapshot, RestoreError> {
     let mut dir_path = None;
+    let mut handed_layers = Vec::new();
     let (state_file, state_path, memory, memory_path) = match source {
         SnapshotSource::Dir(dir) => {
             let dir = SnapshotDir::open(&dir)?;
@@ -248,12 +258,18 @@ pub fn load(
                 dir.path().join(MEMORY_FILE).display().to_string(),
             )
         }
-        SnapshotSource::Inherited { state, memory } => (
-            state,
-            PathBuf::from("the fork's state"),
-            memory,
-            "the fork's memory base".to_string(),
-        ),
+        SnapshotSource::Inherited { state, mut memory } => {
+            let top = memory
+                .pop()
+                .ok_or_else(|| RestoreError::MemoryLayers("a fork handed over no memory".into()))?;
+            handed_layers = memory;
+            (
+                state,
+                PathBuf::from("the fork's state"),
+                top,
+                "the fork's memory".to_string(),
+            )
+        }
     };
     let (header, state): (mayfly_snapshot::Header, VmState) =
         mayfly_snapshot::read_state(&state_file, &state_path)?;
@@ -274,12 +290,8 @@ pub fn load(
                     .map_err(RestoreError::MemoryLayers)?,
             )
         }
-        None if state.memory_extents.is_some() => {
-            return Err(RestoreError::MemoryLayers(
-                "a fork's memory base is never a diff".into(),
-            ))
-        }
-        None => None,
+        // A fork's: the layers it handed over must be the ones its state names.
+        None => Some(handed_chain(&state, handed_layers, &memory)?),
     };
     Ok(LoadedSnapshot {
         header,
@@ -288,6 +300,44 @@ pub fn load(
         memory_path,
         chain,
     })
+}
+
+/// The chain of a fork's memory: the files it handed over under its top (`handed`, bottom
+/// first), each the layer its state names (its trailer says so), and the top. A fork of one
+/// base is a chain of one.
+fn handed_chain(
+    state: &VmState,
+    handed: Vec<File>,
+    top: &File,
+) -> Result<Vec<crate::memory::chain::ChainLayer>, RestoreError> {
+    use crate::memory::chain::ChainLayer;
+    if handed.len() != state.memory_layers.len() {
+        return Err(RestoreError::MemoryLayers(format!(
+            "the fork handed over {} memory layers under its own, and its state names {}",
+            handed.len(),
+            state.memory_layers.len()
+        )));
+    }
+    let mut chain = Vec::with_capacity(handed.len() + 1);
+    for (i, (file, layer)) in handed.into_iter().zip(&state.memory_layers).enumerate() {
+        let name = format!("the fork's memory layer {i}");
+        mayfly_snapshot::check_trailer(&file, state.mem_bytes, &layer.snapshot_id, &name)?;
+        chain.push(ChainLayer {
+            file,
+            path: layer.path.clone(),
+            snapshot_id: layer.snapshot_id,
+            extents: layer.extents.clone(),
+            from_fork: true,
+        });
+    }
+    chain.push(ChainLayer {
+        file: top.try_clone().map_err(MemoryError::Memfd)?,
+        path: crate::memory::chain::FORK_LAYER_PATH.into(),
+        snapshot_id: state.snapshot_id,
+        extents: state.memory_extents.clone(),
+        from_fork: true,
+    });
+    Ok(chain)
 }
 
 /// Check what a state file asks for with the rules `mayfly run` applies to its arguments: a

@@ -167,7 +167,7 @@ pub(crate) fn index_of_bad_request(bytes: &[u8]) -> Option<u32> {
 }
 
 /// The zygote process (`mayfly zygote`), steps 2 to 4. Returns the process's exit status.
-pub fn serve(state_fd: RawFd, memory_fd: RawFd, socket_fd: RawFd, clone_main: CloneMain) -> u8 {
+pub fn serve(state_fd: RawFd, memory_fds: &[RawFd], socket_fd: RawFd, clone_main: CloneMain) -> u8 {
     set_comm("mayfly-zygote");
     let socket = match take_fd(socket_fd, "fork's socket") {
         Ok(fd) => UnixDatagram::from(fd),
@@ -185,7 +185,7 @@ pub fn serve(state_fd: RawFd, memory_fd: RawFd, socket_fd: RawFd, clone_main: Cl
         );
         1
     };
-    let source = match SnapshotSource::inherited(state_fd, memory_fd) {
+    let source = match SnapshotSource::inherited(state_fd, memory_fds) {
         Ok(source) => source,
         Err(err) => return unusable(err.to_string()),
     };

@@ -130,23 +130,30 @@ pub(crate) struct Pending {
 }
 
 impl Zygote {
-    /// Step 1: start `mayfly zygote` on the fork's state and memory base.
-    pub fn spawn(state: &File, memory: &File) -> Result<Self, ZygoteError> {
+    /// Step 1: start `mayfly zygote` on the fork's state and memory (its files, bottom first:
+    /// one base, or the layers the state names and the top).
+    pub fn spawn(state: &File, memory: &[File]) -> Result<Self, ZygoteError> {
         let (socket, theirs) = seqpacket::pair().map_err(io("create the fork's socket"))?;
-        // The three descriptors are duplicated without close-on-exec just for this spawn (a
-        // fork is the only thing in the VMM that starts processes, one at a time), so the
-        // standard library can start the zygote with posix_spawn.
-        let inherit = [
-            Inherited::dup(state)?,
-            Inherited::dup(memory)?,
-            Inherited::dup(&theirs)?,
-        ];
+        // The descriptors are duplicated without close-on-exec just for this spawn (a fork is
+        // the only thing in the VMM that starts processes, one at a time), so the standard
+        // library can start the zygote with posix_spawn.
+        let state = Inherited::dup(state)?;
+        let socket_fd = Inherited::dup(&theirs)?;
+        let memory = memory
+            .iter()
+            .map(Inherited::dup)
+            .collect::<Result<Vec<_>, _>>()?;
+        let memory_arg = memory
+            .iter()
+            .map(Inherited::arg)
+            .collect::<Vec<_>>()
+            .join(",");
         let exe = std::env::current_exe().map_err(io("find the mayfly binary"))?;
         let mut process = Command::new(exe)
             .arg("zygote")
-            .args(["--state-fd", &inherit[0].arg()])
-            .args(["--memory-fd", &inherit[1].arg()])
-            .args(["--socket-fd", &inherit[2].arg()])
+            .args(["--state-fd", &state.arg()])
+            .args(["--memory-fd", &memory_arg])
+            .args(["--socket-fd", &socket_fd.arg()])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             // Its own process group (and so its clones'): a Ctrl-C or hang-up meant for the
@@ -154,8 +161,7 @@ impl Zygote {
             .process_group(0)
             .spawn()
             .map_err(io("start the fork's zygote"))?;
-        drop(inherit);
-        drop(theirs);
+        drop((state, memory, socket_fd, theirs));
         // Not yet waited for, so the pid is still the zygote's.
         let pidfd = match libc::pid_t::try_from(process.id())
             .map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))
@@ -238,9 +244,14 @@ impl Zygote {
                 self.finish();
                 // Whatever pidfd is still on its way (a clone's Ready, the zygote's Forked)
                 // names a process that must not run either.
-                let queued = kill_queued(&socket);
+                let (queued, unusable) = kill_queued(&socket);
                 if let ZygoteError::CloneFailed { killed, .. } = &mut err {
                     *killed += queued.len();
+                }
+                // A zygote that could not restore the fork's snapshot says why, and exits: a
+                // request sent after that fails, and says less.
+                if let (ZygoteError::Io { .. }, Some(reason)) = (&err, unusable) {
+                    err = ZygoteError::Unusable(reason);
                 }
                 pidfds.extend(queued);
                 // A VMM that inherits the zygote's orphans reaps them.
@@ -255,25 +266,38 @@ impl Zygote {
 pub(crate) const DRAIN_GRACE: Duration = Duration::from_millis(50);
 
 /// Kill every process whose pidfd is still queued on the fork's socket, or arrives within
-/// `DRAIN_GRACE`; returns their pidfds.
-pub(crate) fn kill_queued(socket: &UnixDatagram) -> Vec<OwnedFd> {
+/// `DRAIN_GRACE`; returns their pidfds, and the zygote's reason if it said it cannot restore
+/// the fork's snapshot.
+pub(crate) fn kill_queued(socket: &UnixDatagram) -> (Vec<OwnedFd>, Option<String>) {
     let mut buf = vec![0u8; MAX_MESSAGE];
     let mut killed = Vec::new();
+    let mut unusable = None;
+    let mut reset_once = false;
     let deadline = Instant::now() + DRAIN_GRACE;
     loop {
         let fds = match seqpacket::receive(socket, &mut buf) {
-            Ok(Received::Message(_, fd)) => fd.into_iter().collect(),
+            Ok(Received::Message(len, fd)) => {
+                if let Ok(Message::Unusable { reason }) = serde_json::from_slice(&buf[..len]) {
+                    unusable.get_or_insert(reason);
+                }
+                fd.into_iter().collect()
+            }
             Ok(Received::Truncated(fds)) => fds,
-            Ok(Received::End) => return killed,
+            Ok(Received::End) => return (killed, unusable),
             Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {
                 let remaining = deadline.saturating_duration_since(Instant::now());
                 match poll::poll(&[(socket.as_raw_fd(), libc::POLLIN)], remaining) {
                     Ok(revents) if revents[0] != 0 && !remaining.is_zero() => continue,
-                    _ => return killed,
+                    _ => return (killed, unusable),
                 }
             }
             Err(err) if err.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(_) => return killed,
+            // Said once, before the queue, when the other end closed with messages unread.
+            Err(err) if err.kind() == std::io::ErrorKind::ConnectionReset && !reset_once => {
+                reset_once = true;
+                continue;
+            }
+            Err(_) => return (killed, unusable),
         };
         fds.iter().for_each(pidfd::kill);
         killed.extend(fds);
