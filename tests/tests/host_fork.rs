@@ -597,3 +597,141 @@ fn clones_ready_when_their_forking_vmm_dies_mid_fork_stop_rather_than_run_unknow
     );
     drop(parent);
 }
+
+/// A memfd holding `bytes`, with `seals` added (none: writable).
+fn memfd_with(bytes: &[u8], seals: libc::c_int) -> std::fs::File {
+    use std::io::Write;
+    use std::os::fd::FromRawFd;
+    // SAFETY: a valid NUL-terminated name; the result is checked.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"liar".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    assert!(fd >= 0, "{}", std::io::Error::last_os_error());
+    // SAFETY: a new descriptor nothing else owns.
+    let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.write_all(bytes).unwrap();
+    if seals != 0 {
+        // SAFETY: fcntl on our own memfd; checked.
+        assert_eq!(unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, seals) }, 0);
+    }
+    file
+}
+
+/// A fake VMM on `sock` that says it is jailed and answers a fork's capture with `answer`,
+/// every request on its own connection, until the test ends.
+fn lying_vmm(sock: &Path, answer: serde_json::Value) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::os::unix::net::UnixListener::bind(sock).unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut line = String::new();
+            if reader.read_line(&mut line).is_err() {
+                continue;
+            }
+            let mut length = 0usize;
+            loop {
+                let mut header = String::new();
+                if reader.read_line(&mut header).unwrap_or(0) == 0 || header == "\r\n" {
+                    break;
+                }
+                if let Some(value) = header.to_ascii_lowercase().strip_prefix("content-length:") {
+                    length = value.trim().parse().unwrap_or(0);
+                }
+            }
+            let mut body = vec![0u8; length];
+            let _ = reader.read_exact(&mut body);
+            let reply = if line.starts_with("GET /vm ") {
+                serde_json::json!({ "name": "liar", "state": "running", "jail": { "uid": 1 } })
+            } else if line.starts_with("PUT /vm/fork/capture") {
+                answer.clone()
+            } else {
+                serde_json::json!({})
+            };
+            let text = reply.to_string();
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+                text.len()
+            );
+        }
+    });
+}
+
+/// A jailed VM's fork is finished outside it, from the descriptors its VMM hands over: a VMM
+/// taken over by its guest may hand over anything. Memory its clones would map that it could
+/// still change (an unsealed memfd, a memory layer that is a file others may write, too many
+/// layers) is refused before any clone is made, and the fork says why.
+#[test]
+fn a_fork_refuses_memory_its_vmm_could_still_change() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TestDir::new("fork-liar");
+    let all = libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    let state = memfd_with(b"state", all);
+    let sealed = memfd_with(b"memory", all);
+    let writable = memfd_with(b"memory", 0);
+    let shared_file = dir.join("others-may-write");
+    std::fs::write(&shared_file, b"memory").unwrap();
+    std::fs::set_permissions(&shared_file, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let shared = std::fs::File::open(&shared_file).unwrap();
+    let capture = |memory: &std::fs::File, layers: Vec<i32>| {
+        serde_json::json!({
+            "state_fd": state.as_raw_fd(),
+            "memory_fd": memory.as_raw_fd(),
+            "memory_layer_fds": layers,
+            "parent": "liar",
+            "first_clone": 0,
+            "disks": false,
+            "copied_bytes": 0,
+            "pause_ms": 0.0,
+            "state_ms": 0.0,
+            "freeze_ms": 0.0,
+        })
+    };
+    let cases = [
+        (
+            "unsealed",
+            capture(&writable, vec![]),
+            "is not a sealed file",
+        ),
+        (
+            "shared-layer",
+            capture(&sealed, vec![shared.as_raw_fd()]),
+            "nor a file only uid 0 may write",
+        ),
+        (
+            "writable-layer",
+            capture(&sealed, vec![writable.as_raw_fd()]),
+            "nor a file only uid 0 may write",
+        ),
+        (
+            "deep",
+            capture(&sealed, vec![sealed.as_raw_fd(); 16]),
+            "memory has 17 layers",
+        ),
+    ];
+    for (name, answer, said) in cases {
+        let sock = dir.join(&format!("{name}.sock"));
+        lying_vmm(&sock, answer);
+        let out = std::process::Command::new(mayfly_tests::guest::mayfly_bin())
+            .args(["fork", "--sock", &sock.to_string_lossy(), "--count", "1"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {stderr}");
+        assert!(stderr.contains(said), "{name}: {stderr}");
+        // Nothing was made beside the socket.
+        let made: Vec<_> = std::fs::read_dir(&dir.0)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("liar-"))
+            .collect();
+        assert!(made.is_empty(), "{name}: {made:?}");
+    }
+}
