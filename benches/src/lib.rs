@@ -68,6 +68,37 @@ pub fn emit_report(bench: &str, report: &impl Serialize, out: Option<&std::path:
     }
 }
 
+/// Wait until the host's CPUs are idle (at least `IDLE` of their time, two 100 ms windows in a
+/// row, from /proc/stat) or `max` has passed; returns how long it waited, ms. Before a timed
+/// step whose baseline must not pay for the step before it: ending 100 jailed sandboxes goes
+/// on in the kernel (their network namespaces are torn down by a work queue) after the
+/// manager has answered, and a `mayfly fork` timed right then shares the CPUs with it.
+pub fn settle(max: std::time::Duration) -> f64 {
+    const IDLE: f64 = 0.9;
+    let read = || -> Option<(u64, u64)> {
+        let text = std::fs::read_to_string("/proc/stat").ok()?;
+        let cpu: Vec<u64> = text
+            .lines()
+            .next()?
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|n| n.parse().ok())
+            .collect();
+        // idle + iowait, of all.
+        Some((cpu.get(3)? + cpu.get(4)?, cpu.iter().sum()))
+    };
+    let start = std::time::Instant::now();
+    let mut quiet = 0;
+    while start.elapsed() < max && quiet < 2 {
+        let Some((idle0, all0)) = read() else { break };
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let Some((idle1, all1)) = read() else { break };
+        let share = (idle1 - idle0) as f64 / (all1 - all0).max(1) as f64;
+        quiet = if share >= IDLE { quiet + 1 } else { 0 };
+    }
+    start.elapsed().as_secs_f64() * 1e3
+}
+
 /// Milliseconds between two CLOCK_MONOTONIC stamps.
 pub fn ms_between(from: u64, to: u64) -> f64 {
     to.saturating_sub(from) as f64 / 1e6

@@ -505,9 +505,20 @@ impl Drop for Guest {
     }
 }
 
-/// Resident and proportional set size of process `pid`, KiB (its smaps_rollup); `None` if
-/// it is gone or the file does not parse.
-pub fn rss_pss_kib(pid: u64) -> Option<(u64, u64)> {
+/// A process's memory, KiB (its smaps_rollup).
+#[derive(Debug, Clone, Copy)]
+pub struct MemoryKib {
+    /// Resident.
+    pub rss: u64,
+    /// Proportional: each resident page divided among the processes that map it.
+    pub pss: u64,
+    /// Its own: resident pages no other process maps (Private_Clean + Private_Dirty).
+    pub private: u64,
+}
+
+/// The memory of process `pid` (its smaps_rollup); `None` if it is gone or the file does not
+/// parse.
+pub fn memory_kib(pid: u64) -> Option<MemoryKib> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
     let field = |name: &str| -> Option<u64> {
         text.lines()
@@ -517,7 +528,11 @@ pub fn rss_pss_kib(pid: u64) -> Option<(u64, u64)> {
             .parse()
             .ok()
     };
-    Some((field("Rss:")?, field("Pss:")?))
+    Some(MemoryKib {
+        rss: field("Rss:")?,
+        pss: field("Pss:")?,
+        private: field("Private_Clean:")? + field("Private_Dirty:")?,
+    })
 }
 
 #[cfg(test)]

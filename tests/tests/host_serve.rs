@@ -1775,9 +1775,9 @@ fn names_in_policies_are_asked_of_the_guests_resolver_and_unknown_ones_are_refus
 
 /// Resident and proportional memory of process `pid`, bytes (smaps_rollup).
 fn rss_and_pss(pid: u64) -> (u64, u64) {
-    let (rss, pss) = mayfly_tests::guest::rss_pss_kib(pid)
+    let memory = mayfly_tests::guest::memory_kib(pid)
         .unwrap_or_else(|| panic!("no Rss and Pss in the smaps_rollup of {pid}"));
-    (rss * 1024, pss * 1024)
+    (memory.rss * 1024, memory.pss * 1024)
 }
 
 /// The process a jailed sandbox's VMM is: the one child of its jail's waiter.

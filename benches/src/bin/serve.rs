@@ -46,8 +46,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use mayfly_benches::{emit_report, Machine, Stats};
-use mayfly_tests::guest::{rss_pss_kib, Guest, TestDir};
+use mayfly_benches::{emit_report, settle, Machine, Stats};
+use mayfly_tests::guest::{memory_kib, Guest, TestDir};
 use mayfly_tests::probe;
 use mayfly_tests::serve::{call, Manager};
 use serde::Serialize;
@@ -176,6 +176,11 @@ struct ComposedFigures {
     /// probe dirties none after the fork), and its VMM's resident set, KiB, for scale.
     manager_clone_pss_kib: Stats,
     manager_clone_vmm_rss_kib: Stats,
+    /// Each such clone's own memory (its processes' private pages, Private_Clean +
+    /// Private_Dirty), KiB: what one more clone costs the host. Its PSS also counts its share
+    /// of the template's memory file in the page cache, which a clone maps whole where the
+    /// kernel maps the file's 2 MiB folios with one entry each (its RSS then is the guest's).
+    manager_clone_private_kib: Stats,
     mayfly_fork_ms: Vec<(usize, Stats)>,
     /// Median manager fork / median `mayfly fork`, per N (target at 100: ≤ 1.5).
     manager_over_mayfly_fork: Vec<(usize, f64)>,
@@ -184,6 +189,9 @@ struct ComposedFigures {
     /// `mayfly fork`'s, which a refill would otherwise slow), ms (not in the figures).
     net_pool_size: usize,
     net_pool_wait_ms: Stats,
+    /// How long the benchmark waited for the host's CPUs to be idle (see
+    /// `mayfly_benches::settle`) before each timed fork, ms (not in the figures).
+    settle_ms: Stats,
 }
 
 impl ComposedFigures {
@@ -209,9 +217,11 @@ impl ComposedFigures {
             manager_fork_source_paused_ms: stats(&composed.manager_paused),
             manager_clone_pss_kib: Stats::of(&composed.clone_pss_kib).unwrap_or_default(),
             manager_clone_vmm_rss_kib: Stats::of(&composed.clone_rss_kib).unwrap_or_default(),
+            manager_clone_private_kib: Stats::of(&composed.clone_private_kib).unwrap_or_default(),
             mayfly_fork_ms: stats(&composed.mayfly_fork),
             net_pool_size: composed.pool_size,
             net_pool_wait_ms: Stats::of(&composed.pool_wait_ms).unwrap_or_default(),
+            settle_ms: Stats::of(&composed.settle_ms).unwrap_or_default(),
         }
     }
 
@@ -573,13 +583,18 @@ struct Composed {
     /// Per clone of the forks into 100: PSS of its VMM and waiter, RSS of its VMM, KiB.
     clone_pss_kib: Vec<f64>,
     clone_rss_kib: Vec<f64>,
+    clone_private_kib: Vec<f64>,
     mayfly_fork: Vec<(usize, Vec<f64>)>,
     /// The manager's `--net-pool` size, and the waits for it to be full before each timed
     /// networked create and fork (the pool is built ahead of need: a burst right after
     /// another finds it refilling).
     pool_size: usize,
     pool_wait_ms: Vec<f64>,
+    settle_ms: Vec<f64>,
 }
+
+/// The longest the benchmark waits for the host to be idle before a timed fork.
+const SETTLE: Duration = Duration::from_secs(10);
 
 /// Wait (at most 60 s) until the manager's network pool holds `size` slots; how long, ms.
 fn wait_for_pool(m: &Manager, size: usize) -> f64 {
@@ -609,6 +624,7 @@ fn wait_for_pool(m: &Manager, size: usize) -> f64 {
 /// plain VMM at `sock` into as many, their clones ended after each; the times go to slot `k`.
 fn fork_pair(m: &Manager, sock: &Path, count: usize, out: &mut Composed, k: usize) {
     out.pool_wait_ms.push(wait_for_pool(m, out.pool_size));
+    out.settle_ms.push(settle(SETTLE));
     let start = Instant::now();
     let (status, body) = m.admin(
         "POST",
@@ -631,21 +647,23 @@ fn fork_pair(m: &Manager, sock: &Path, count: usize, out: &mut Composed, k: usiz
             let vmm = std::fs::read_to_string(format!("/proc/{waiter}/task/{waiter}/children"))
                 .ok()
                 .and_then(|c| c.split_whitespace().next()?.parse::<u64>().ok());
-            let (Some((_, waiter_pss)), Some((vmm_rss, vmm_pss))) =
-                (rss_pss_kib(waiter), vmm.and_then(rss_pss_kib))
-            else {
+            let (Some(waiter), Some(vmm)) = (memory_kib(waiter), vmm.and_then(memory_kib)) else {
                 continue;
             };
-            out.clone_pss_kib.push((waiter_pss + vmm_pss) as f64);
-            out.clone_rss_kib.push(vmm_rss as f64);
+            out.clone_pss_kib.push((waiter.pss + vmm.pss) as f64);
+            out.clone_private_kib
+                .push((waiter.private + vmm.private) as f64);
+            out.clone_rss_kib.push(vmm.rss as f64);
         }
     }
     for clone in body["clones"].as_array().into_iter().flatten() {
         let name = clone["name"].as_str().unwrap_or_default();
         m.admin("DELETE", &format!("/sandboxes/{name}"), None);
     }
-    // The pool refilled first: its building would otherwise run beside the baseline.
+    // The pool refilled first: its building would otherwise run beside the baseline; and the
+    // host idle again (the clones' ends go on after their deletes have answered).
     out.pool_wait_ms.push(wait_for_pool(m, out.pool_size));
+    out.settle_ms.push(settle(SETTLE));
     let start = Instant::now();
     let (status, body) = mayfly_api::request_with_timeout(
         sock,
@@ -711,11 +729,13 @@ fn composed(args: &Args, m: &Manager, template: &serde_json::Value) -> Composed 
         manager_paused: COUNTS.iter().map(|n| (*n, Vec::new())).collect(),
         clone_pss_kib: Vec::new(),
         clone_rss_kib: Vec::new(),
+        clone_private_kib: Vec::new(),
         mayfly_fork: COUNTS.iter().map(|n| (*n, Vec::new())).collect(),
         pool_size: args
             .net_pool
             .map_or(8, |n| usize::try_from(n).unwrap_or(usize::MAX)),
         pool_wait_ms: Vec::new(),
+        settle_ms: Vec::new(),
     };
     for i in 0..args.runs {
         eprintln!("serve bench: composed round {}/{}", i + 1, args.runs);
