@@ -34,6 +34,13 @@ def test_the_life_cycle(client, tmp_path):
         card = json.loads(sb.files.read_text("/run/mayfly/sandbox.json"))
         verdict = client.verify_credential(card["credential"])
         assert (verdict["valid"], verdict["sandbox"], verdict["acts_for"]) == (True, "py-life", "tests")
+        # A new one, for an audience: the one before stops verifying; revoked, none does.
+        minted = sb.mint_credential(audience="billing", ttl=600)
+        assert client.verify_credential(minted["credential"], audience="billing")["valid"]
+        assert not client.verify_credential(minted["credential"], audience="storage")["valid"]
+        assert not client.verify_credential(card["credential"])["valid"]
+        sb.revoke_credential()
+        assert "revoked" in client.verify_credential(minted["credential"])["error"]
 
         # Status, stderr, env, cwd, stdin, argv.
         r = sb.exec("echo oops >&2; exit 7")

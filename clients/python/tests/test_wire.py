@@ -298,6 +298,31 @@ def test_ports_and_policy_are_sent_as_the_manager_takes_them(fake):
     assert len(fake.requests) == 4
 
 
+def test_credentials_are_minted_revoked_and_verified_for_an_audience(fake):
+    fake.answer(200, b'{"name": "box", "credential": "mfc_x", "delivered": false}')
+    fake.answer(200, b'{"name": "box", "revoked": true}')
+    fake.answer(200, b'{"valid": false, "error": "revoked"}')
+    sb = mayfly.Sandbox("box", token="own", client=client(fake))
+    minted = sb.mint_credential(audience="billing", ttl=60)
+    assert (minted["credential"], minted["delivered"]) == ("mfc_x", False)
+    sb.revoke_credential()
+    assert sb.client.verify_credential("mfc_x", audience="billing")["valid"] is False
+    lines = [r[0] for r in fake.requests]
+    assert lines == [
+        "POST /sandboxes/box/credential HTTP/1.1",
+        "DELETE /sandboxes/box/credential HTTP/1.1",
+        "POST /credentials/verify HTTP/1.1",
+    ]
+    assert json.loads(fake.requests[0][2]) == {"audience": "billing", "ttl_s": 60}
+    assert json.loads(fake.requests[2][2]) == {"credential": "mfc_x", "audience": "billing"}
+    # The admin's routes, all three.
+    assert all(r[1]["authorization"] == "Bearer admin-token" for r in fake.requests)
+    for bad in [{"ttl": 0.5}, {"ttl": -1}, {"audience": ""}]:
+        with pytest.raises(ValueError):
+            sb.mint_credential(**bad)
+    assert len(fake.requests) == 3
+
+
 def test_a_templates_network_is_sent_as_net():
     assert mayfly.Template(setup=["true"], network="allow=pypi.org:443").to_json() == {
         "setup": ["true"],

@@ -356,10 +356,28 @@ def agent(name: str, timeout: float) -> Call:
     return Call("GET", sandbox_path(name, "/vm/agent"), timeout=timeout)
 
 
-def verify_credential(credential: str) -> Call:
-    return Call(
-        "POST", "/credentials/verify", _body({"credential": credential}), admin=True
-    )
+def verify_credential(credential: str, audience: Optional[str] = None) -> Call:
+    body: Dict[str, Any] = {"credential": credential}
+    if audience is not None:
+        body["audience"] = audience
+    return Call("POST", "/credentials/verify", _body(body), admin=True)
+
+
+def mint_credential(name: str, audience: Optional[str], ttl: Optional[float]) -> Call:
+    body: Dict[str, Any] = {}
+    if audience is not None:
+        if not isinstance(audience, str) or not audience:
+            raise ValueError(f"audience {audience!r}: give a non-empty string")
+        body["audience"] = audience
+    if ttl is not None:
+        body["ttl_s"] = _whole_seconds(ttl, "ttl")
+        if body["ttl_s"] < 1:
+            raise ValueError(f"ttl {ttl!r}: a credential lives at least 1 second")
+    return Call("POST", sandbox_path(name, "/credential"), _body(body), admin=True)
+
+
+def revoke_credential(name: str) -> Call:
+    return Call("DELETE", sandbox_path(name, "/credential"), admin=True)
 
 
 def metrics() -> Call:

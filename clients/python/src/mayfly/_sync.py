@@ -131,11 +131,14 @@ class Client:
         """Every sandbox the manager knows, described (needs the admin token)."""
         return self.do(_api.list_sandboxes())  # type: ignore[no-any-return]
 
-    def verify_credential(self, credential: str) -> Dict[str, Any]:
+    def verify_credential(
+        self, credential: str, audience: Optional[str] = None
+    ) -> Dict[str, Any]:
         """Which sandbox a credential (from a guest's ``/run/mayfly/sandbox.json``) belongs to
         and whom it acts for: ``{"valid": True, "sandbox": ..., "acts_for": ...}``, or
-        ``{"valid": False, "error": ...}`` (needs the admin token)."""
-        return self.do(_api.verify_credential(credential))  # type: ignore[no-any-return]
+        ``{"valid": False, "error": ...}`` (needs the admin token). With ``audience``, valid
+        only if it was minted for that one."""
+        return self.do(_api.verify_credential(credential, audience))  # type: ignore[no-any-return]
 
     def metrics(self) -> str:
         """The manager's Prometheus text."""
@@ -392,6 +395,18 @@ class Sandbox:
         """Revoke its token; this object then speaks with the client's token."""
         self._do(_api.revoke_token(self.name))
         self.token = None
+
+    def mint_credential(
+        self, audience: Optional[str] = None, ttl: Optional[float] = None
+    ) -> Dict[str, Any]:
+        """A new credential for its guest (admin), for ``audience`` and ``ttl`` seconds if
+        given; the one before stops verifying. The answer holds it (``credential``) and
+        whether the guest got it (``delivered``: a guest without an agent does not)."""
+        return self._do(_api.mint_credential(self.name, audience, ttl))  # type: ignore[no-any-return]
+
+    def revoke_credential(self) -> None:
+        """Revoke its credential (admin): none of its credentials verifies until the next."""
+        self._do(_api.revoke_credential(self.name))
 
     def delete(self) -> None:
         """End its VMM and remove everything of it."""

@@ -120,8 +120,10 @@ class AsyncClient:
     async def sandboxes(self) -> List[Dict[str, Any]]:
         return await self.do(_api.list_sandboxes())  # type: ignore[no-any-return]
 
-    async def verify_credential(self, credential: str) -> Dict[str, Any]:
-        return await self.do(_api.verify_credential(credential))  # type: ignore[no-any-return]
+    async def verify_credential(
+        self, credential: str, audience: Optional[str] = None
+    ) -> Dict[str, Any]:
+        return await self.do(_api.verify_credential(credential, audience))  # type: ignore[no-any-return]
 
     async def metrics(self) -> str:
         return await self.do(_api.metrics())  # type: ignore[no-any-return]
@@ -379,6 +381,14 @@ class AsyncSandbox:
     async def revoke_token(self) -> None:
         await self._do(_api.revoke_token(self.name))
         self.token = None
+
+    async def mint_credential(
+        self, audience: Optional[str] = None, ttl: Optional[float] = None
+    ) -> Dict[str, Any]:
+        return await self._do(_api.mint_credential(self.name, audience, ttl))  # type: ignore[no-any-return]
+
+    async def revoke_credential(self) -> None:
+        await self._do(_api.revoke_credential(self.name))
 
     async def delete(self) -> None:
         await self._do(_api.delete(self.name))
