@@ -66,7 +66,9 @@ pub(crate) fn raise_descriptor_limit() {
 /// - `MAYFLY_CONSOLE_LIMIT`: the most a console file takes (bytes, or with K, M, G);
 /// - `MAYFLY_FORK_COPY`, `MAYFLY_FORK_IN_FLIGHT`: the fork's measuring knobs (see
 ///   `mayfly_vmm::settings`);
-/// - `MAYFLY_TRACE` (a fork's zygote): every clone prints its phases.
+/// - `MAYFLY_TRACE`: the process prints its phases on stderr (`mayfly-trace: PHASE NS`), as
+///   `--trace` does: a restore, a boot, a fork's zygote and clones, and so every VMM of a
+///   `mayfly serve` started with it (each sandbox's `vmm.log`).
 ///
 /// A bad `MAYFLY_SECCOMP` is said now, before anything starts (a filtered thread that met it
 /// later could only end the process).
@@ -76,6 +78,9 @@ pub(crate) fn take_environment() -> Result<(), EnvError> {
         .unwrap_or_default()
         .parse()?;
     let _ = mayfly_jail::seccomp::set_mode(seccomp);
+    if var("MAYFLY_TRACE").is_some() {
+        trace::enable();
+    }
     let _ = mayfly_vmm::settings::set(mayfly_vmm::settings::Settings {
         kvm_device: var("MAYFLY_KVM_DEVICE")
             .map_or_else(|| PathBuf::from("/dev/kvm"), PathBuf::from),
@@ -234,8 +239,5 @@ fn restore_instance(args: RestoreArgs) -> Result<(MemoryMode, Instance, Option<P
 /// `mayfly zygote`: started by a fork, it makes the fork's clones (see
 /// `mayfly_vmm::persist::zygote`).
 pub(crate) fn zygote(args: ZygoteArgs) -> ExitCode {
-    if std::env::var_os("MAYFLY_TRACE").is_some() {
-        trace::enable();
-    }
     mayfly_vmm::launch::zygote(args.state_fd, &args.memory_fd, args.socket_fd)
 }
