@@ -84,8 +84,8 @@ pub fn settle(max: std::time::Duration) -> f64 {
             .skip(1)
             .filter_map(|n| n.parse().ok())
             .collect();
-        // idle + iowait, of all.
-        Some((cpu.get(3)? + cpu.get(4)?, cpu.iter().sum()))
+        // idle + iowait, of all (user to steal: guest time is counted in user already).
+        Some((cpu.get(3)? + cpu.get(4)?, cpu.iter().take(8).sum()))
     };
     let start = std::time::Instant::now();
     let mut quiet = 0;
@@ -93,7 +93,8 @@ pub fn settle(max: std::time::Duration) -> f64 {
         let Some((idle0, all0)) = read() else { break };
         std::thread::sleep(std::time::Duration::from_millis(100));
         let Some((idle1, all1)) = read() else { break };
-        let share = (idle1 - idle0) as f64 / (all1 - all0).max(1) as f64;
+        // iowait may go backwards (it is counted per CPU, approximately).
+        let share = idle1.saturating_sub(idle0) as f64 / all1.saturating_sub(all0).max(1) as f64;
         quiet = if share >= IDLE { quiet + 1 } else { 0 };
     }
     start.elapsed().as_secs_f64() * 1e3

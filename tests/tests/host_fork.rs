@@ -711,8 +711,8 @@ fn a_fork_refuses_memory_its_vmm_could_still_change() {
         ),
         (
             "deep",
-            capture(&sealed, vec![sealed.as_raw_fd(); 16]),
-            "memory has 17 layers",
+            capture(&sealed, vec![sealed.as_raw_fd(); 17]),
+            "memory has 18 layers",
         ),
     ];
     for (name, answer, said) in cases {

@@ -112,6 +112,43 @@ pub fn open_chain(
     Ok(chain)
 }
 
+/// Whether `file` is sealed against writes (a fork's memfd): nothing can change it.
+pub fn is_sealed(file: &File) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: fcntl on a descriptor the caller owns; it only reads its seals.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    seals >= 0 && seals & libc::F_SEAL_WRITE != 0
+}
+
+/// A description of this process's own, read-only, of the file a fork handed over as `file`
+/// (the snapshot its parent maps): reopened through /proc/self/fd, checked to be the same
+/// file. A description is shared by all who hold it (its flags, who its lease warns), so a
+/// clone does not keep its parent's. A descriptor that cannot read (O_PATH, write-only) is
+/// refused: reopened, it would read what its holder could not.
+pub fn reopen_handed(file: &File) -> std::io::Result<File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: fcntl on a descriptor the caller owns; it only reads its flags.
+    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if flags & libc::O_PATH != 0 || flags & libc::O_ACCMODE == libc::O_WRONLY {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            "a memory file handed over on a descriptor that cannot read it",
+        ));
+    }
+    let reopened = File::open(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+    let (was, is) = (file.metadata()?, reopened.metadata()?);
+    if (was.dev(), was.ino()) != (is.dev(), is.ino()) || !is.file_type().is_file() {
+        return Err(std::io::Error::other(
+            "a memory file handed over is not the file its descriptor reopens",
+        ));
+    }
+    Ok(reopened)
+}
+
 /// The newest layer of `chain` that holds the page at `offset` (the bottom holds all).
 pub fn layer_holding(chain: &[ChainLayer], offset: u64) -> Option<&ChainLayer> {
     chain.iter().rev().find(|layer| match &layer.extents {

@@ -52,18 +52,12 @@ pub enum MemoryError {
     Seal(std::io::Error),
 }
 
-/// At most this many ranges hold a fork's own pages above its source's memory files
-/// ([`GuestRam::freeze_layered`]): each is a mapping of its own in the zygote and in every
-/// clone (fork copies them), so the pages in the smallest gaps between the ranges are copied
-/// too rather than map more.
-pub const FORK_MAX_EXTENTS: usize = 512;
-
 /// The seals a memory base carries: its size and contents can never change again.
 const BASE_SEALS: libc::c_int =
     libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE | libc::F_SEAL_SEAL;
 
 /// Seal `file` (a memfd this process made with MFD_ALLOW_SEALING) as a memory base.
-fn seal_base(file: &File) -> Result<(), MemoryError> {
+pub(crate) fn seal_base(file: &File) -> Result<(), MemoryError> {
     let again = mayfly_sys::seal::add_seals(file, BASE_SEALS).map_err(MemoryError::Seal)?;
     if again > 0 {
         eprintln!(
@@ -158,7 +152,7 @@ pub struct HostRegion {
     pub file_offset: u64,
 }
 
-fn memfd(len: u64) -> Result<File, MemoryError> {
+pub(crate) fn memfd(len: u64) -> Result<File, MemoryError> {
     // Sealable: a memfd that becomes a fork's base is sealed so that nothing can change it
     // under the clones that map it.
     // SAFETY: the name is a valid NUL-terminated string; the return value is checked.
@@ -390,69 +384,6 @@ impl GuestRam {
         Ok((base, copied))
     }
 
-    /// Freeze a copy-on-write VM's RAM for its clones without copying the snapshot file it
-    /// maps: that file (the bottom of its chain) as it is, and on top a new sealed memfd
-    /// holding every page that differs from it (the pages this VM wrote since it mapped them,
-    /// [`GuestRam::written_extents`], and those the layers above the bottom hold, read as the
-    /// VM sees them now; merged into at most [`FORK_MAX_EXTENTS`] ranges). This VM's own
-    /// mapping stays as it is. Returns the two layers and the bytes copied; `None` when RAM is
-    /// not mapped from a snapshot file (a memfd, a lazy restore, a fork's base) or
-    /// `bottom_ok` refuses the file: then [`GuestRam::freeze`] copies it all into one base.
-    /// The vCPUs must be paused.
-    ///
-    /// Why: the pause of a fork's source is this copy. A template-restored probe of 128 MiB
-    /// paused 125 ms for [`GuestRam::freeze`]'s full copy (130 MB), on this project's host.
-    /// Why only the bottom: a clone must hold nothing of its parent's past that its parent no
-    /// longer holds. The layers above the bottom (a woken sandbox's earlier diffs, a fork's
-    /// pages) hold such pages, and so does a fork's base (a memfd: its parent's memory when
-    /// it was forked); the snapshot at the bottom is what the VM was restored from (the
-    /// sandbox manager's template).
-    pub fn freeze_layered(
-        &self,
-        snapshot_id: &[u8; 16],
-        bottom_ok: impl Fn(&File) -> bool,
-    ) -> Result<Option<(Vec<ChainLayer>, u64)>, MemoryError> {
-        let Some(bottom) = self.chain.first() else {
-            return Ok(None);
-        };
-        // SAFETY: fcntl on a descriptor we own; it only reads its seals.
-        let fork_base = unsafe { libc::fcntl(bottom.file.as_raw_fd(), libc::F_GET_SEALS) } >= 0;
-        if self.kind != RamKind::CopyOnWrite
-            || bottom.extents.is_some()
-            || fork_base
-            || !bottom_ok(&bottom.file)
-        {
-            return Ok(None);
-        }
-        let mut differ = self.written_extents().map_err(MemoryError::Copy)?;
-        for layer in &self.chain[1..] {
-            differ = crate::memory::diff::union(&differ, layer.extents.as_deref().unwrap_or(&[]));
-        }
-        let differ = crate::memory::diff::coalesce(differ, FORK_MAX_EXTENTS);
-        let top = memfd(self.size())?;
-        let copied = self.write_pages(&top, &differ).map_err(MemoryError::Copy)?;
-        mayfly_snapshot::write_trailer(&top, self.size(), snapshot_id)
-            .map_err(MemoryError::Copy)?;
-        seal_base(&top)?;
-        let layers = vec![
-            ChainLayer {
-                file: bottom.file.try_clone().map_err(MemoryError::Memfd)?,
-                path: bottom.path.clone(),
-                snapshot_id: bottom.snapshot_id,
-                extents: None,
-                from_fork: bottom.from_fork,
-            },
-            ChainLayer {
-                file: top,
-                path: crate::memory::chain::FORK_LAYER_PATH.into(),
-                snapshot_id: *snapshot_id,
-                extents: Some(differ),
-                from_fork: true,
-            },
-        ];
-        Ok(Some((layers, copied)))
-    }
-
     /// A copy of guest RAM in a new sealed memfd (sparse), leaving this VM's memory as it is.
     pub fn copy_to_memfd(&self, snapshot_id: &[u8; 16]) -> Result<(File, u64), MemoryError> {
         let base = memfd(self.size())?;
@@ -487,11 +418,9 @@ impl GuestRam {
         // Every file RAM maps: the backing (the chain's bottom), and the layers above it of a
         // diff snapshot's chain or a fork's: a change to any of them changes guest memory.
         // Not a file a fork handed over that is not sealed (the snapshot its parent was
-        // restored from): its description is the parent's, and a lease taken on it would
-        // take the parent's (the kernel keeps one per description, and warns the last
-        // process that set it). The parent keeps its lease; the clones rely on the file
-        // being its owner's alone (a jailed parent's fork checks that: root's, and nobody
-        // else may write it).
+        // restored from): its description is shared by every clone the zygote makes, and a
+        // lease warns only the last process that set it. Each clone leases a description
+        // of its own ([`GuestRam::lease_handed`]).
         let files = std::iter::once((self.backing.as_raw_fd(), self.chain.first())).chain(
             self.chain
                 .iter()
@@ -512,6 +441,49 @@ impl GuestRam {
             BackingProtection::Leased
         } else {
             BackingProtection::Sealed
+        }
+    }
+
+    /// A fork's clone: lease the files its fork handed over that are not sealed (the snapshot
+    /// its parent was restored from), each on a description of this process's own, which
+    /// replaces the one inherited from the zygote: the lease then warns this process, and
+    /// nothing another clone does to its description (its flags) reaches this one. Returns
+    /// the protection, as [`GuestRam::protect_backing`] does.
+    pub fn lease_handed(&mut self) -> BackingProtection {
+        if self.kind != RamKind::CopyOnWrite {
+            return BackingProtection::Private;
+        }
+        let mut leased = false;
+        for i in 0..self.chain.len() {
+            let layer = &self.chain[i];
+            if !layer.from_fork || crate::memory::chain::is_sealed(&layer.file) {
+                continue;
+            }
+            let Ok(own) = crate::memory::chain::reopen_handed(&layer.file) else {
+                return BackingProtection::Unprotected;
+            };
+            let fd = own.as_raw_fd();
+            // SAFETY: fcntl on the descriptor just opened, with a valid signal number; checked.
+            let ok = unsafe {
+                libc::fcntl(fd, F_SETSIG, lease_signal()) == 0
+                    && libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) == 0
+            };
+            if !ok {
+                return BackingProtection::Unprotected;
+            }
+            if i == 0 {
+                match own.try_clone() {
+                    Ok(backing) => self.backing = backing,
+                    Err(_) => return BackingProtection::Unprotected,
+                }
+            }
+            self.chain[i].file = own;
+            leased = true;
+        }
+        if leased {
+            BackingProtection::Leased
+        } else {
+            self.protect_backing()
         }
     }
 
@@ -862,13 +834,34 @@ mod tests {
             ],
             [0x44, 0x66, 0]
         );
-        // Refused: a base its maker does not hand over as it is, a fork's base (a memfd: a
-        // parent's past), RAM in a memfd.
+        // Refused: a base its maker does not hand over as it is, a fork's base (a sealed
+        // memfd: a parent's past), RAM in a memfd.
         assert!(ram.freeze_layered(&[9; 16], |_| false).unwrap().is_none());
         let mut booted = GuestRam::new_memfd(size).unwrap();
         assert!(booted.freeze_layered(&[9; 16], |_| true).unwrap().is_none());
-        booted.freeze(&[8; 16]).unwrap();
+        let (base, _) = booted.freeze(&[8; 16]).unwrap();
         assert!(booted.freeze_layered(&[9; 16], |_| true).unwrap().is_none());
+        let on_fork_base = GuestRam::copy_on_write_chain(
+            vec![ChainLayer {
+                from_fork: true,
+                ..layer(&base, std::path::Path::new("/memfd"), 8, None)
+            }],
+            &ranges,
+        )
+        .unwrap();
+        assert!(on_fork_base
+            .freeze_layered(&[9; 16], |_| true)
+            .unwrap()
+            .is_none());
+        // A snapshot file on tmpfs (which answers F_GET_SEALS too, unsealed) is handed over.
+        let shm =
+            std::path::Path::new("/dev/shm").join(format!("mayfly-chain-{}", std::process::id()));
+        let on_tmpfs = create(&shm);
+        on_tmpfs.set_len(size).unwrap();
+        let tmpfs_ram =
+            GuestRam::copy_on_write_chain(vec![layer(&on_tmpfs, &shm, 3, None)], &ranges).unwrap();
+        std::fs::remove_file(&shm).unwrap();
+        freeze_layered_checked(&tmpfs_ram, size, |_| true);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

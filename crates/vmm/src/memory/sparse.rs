@@ -8,7 +8,7 @@ use std::os::unix::fs::FileExt;
 use mayfly_snapshot::Extent;
 use mayfly_sys::extents::data_extents;
 
-use crate::memory::ram::{GuestRam, RamKind, PAGE};
+use crate::memory::ram::{GuestRam, HostRegion, RamKind, PAGE};
 
 /// What [`GuestRam::write_sparse`] wrote.
 pub struct SparseWritten {
@@ -62,6 +62,61 @@ fn mapped_pages(addr: *const u8, len: usize) -> std::io::Result<Vec<bool>> {
         .collect())
 }
 
+/// Consecutive pages of one mapped region written out to `out` in one write each (at the
+/// region's file offsets), for [`GuestRam::write_sparse`] and [`GuestRam::write_pages`].
+struct Runs<'a> {
+    region: &'a HostRegion,
+    out: &'a File,
+    /// The run being gathered: its first page (in the region) and its length, pages.
+    run: Option<(usize, usize)>,
+    written: u64,
+}
+
+impl<'a> Runs<'a> {
+    fn new(region: &'a HostRegion, out: &'a File) -> Self {
+        Self {
+            region,
+            out,
+            run: None,
+            written: 0,
+        }
+    }
+
+    /// Page `page` of the region (mapped, and the vCPUs paused) goes out: with the run it
+    /// follows, else the run before is written and a new one starts.
+    fn add(&mut self, page: usize) -> std::io::Result<()> {
+        match &mut self.run {
+            Some((first, count)) if *first + *count == page => *count += 1,
+            _ => {
+                self.flush()?;
+                self.run = Some((page, 1));
+            }
+        }
+        Ok(())
+    }
+
+    /// Write the run gathered, if any.
+    fn flush(&mut self) -> std::io::Result<()> {
+        if let Some((first, count)) = self.run.take() {
+            // SAFETY: the run lies inside the region's mapping (its pages were added as
+            // mapped pages of it), and the vCPUs are paused.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(self.region.host_addr.add(first * PAGE), count * PAGE)
+            };
+            self.out
+                .write_all_at(bytes, self.region.file_offset + (first * PAGE) as u64)?;
+            self.written += bytes.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// Write what is left; the bytes written through runs.
+    fn finish(mut self) -> std::io::Result<u64> {
+        self.flush()?;
+        Ok(self.written)
+    }
+}
+
 impl GuestRam {
     /// For copy-on-write RAM: the pages written since it was mapped (by the guest or by this
     /// VMM), as memory-file extents. A write to a private file mapping makes the page an
@@ -102,18 +157,7 @@ impl GuestRam {
             let region_end = region.file_offset + region.len as u64;
             let present = mapped_pages(region.host_addr, region.len)?;
             // Consecutive non-zero mapped pages go out in one write (a fork's pause is this).
-            let mut run: Option<(usize, usize)> = None;
-            let flush = |run: &mut Option<(usize, usize)>, written: &mut u64| {
-                if let Some((first, count)) = run.take() {
-                    // SAFETY: the run lies inside the region's mapping; the vCPUs are paused.
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts(region.host_addr.add(first * PAGE), count * PAGE)
-                    };
-                    out.write_all_at(bytes, region.file_offset + (first * PAGE) as u64)?;
-                    *written += bytes.len() as u64;
-                }
-                Ok::<(), std::io::Error>(())
-            };
+            let mut runs = Runs::new(&region, out);
             for extent in extents {
                 let start = extent.offset.max(region.file_offset);
                 let end = extent.end().min(region_end);
@@ -128,29 +172,23 @@ impl GuestRam {
                             std::slice::from_raw_parts(region.host_addr.add(page * PAGE), PAGE)
                         };
                         if !is_zero(bytes) {
-                            match &mut run {
-                                Some((first, count)) if *first + *count == page => *count += 1,
-                                _ => {
-                                    flush(&mut run, &mut written)?;
-                                    run = Some((page, 1));
-                                }
-                            }
+                            runs.add(page)?;
                             continue;
                         }
                     } else {
                         let at = offset - PAGE as u64;
                         crate::memory::chain::read_chain_page(&self.chain, at, &mut page_buf)?;
                         if !is_zero(&page_buf) {
-                            flush(&mut run, &mut written)?;
+                            runs.flush()?;
                             out.write_all_at(&page_buf, at)?;
                             written += PAGE as u64;
                             continue;
                         }
                     }
-                    flush(&mut run, &mut written)?;
+                    runs.flush()?;
                 }
             }
-            flush(&mut run, &mut written)?;
+            written += runs.finish()?;
         }
         Ok(written)
     }
@@ -179,18 +217,7 @@ impl GuestRam {
                 extent < extents.len() && extents[extent].0 <= offset
             };
             // Consecutive non-zero mapped pages go out in one write.
-            let mut run: Option<(usize, usize)> = None;
-            let flush = |run: &mut Option<(usize, usize)>, written: &mut SparseWritten| {
-                if let Some((first, count)) = run.take() {
-                    // SAFETY: the run lies inside the region's mapping, and the vCPUs are paused.
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts(region.host_addr.add(first * PAGE), count * PAGE)
-                    };
-                    out.write_all_at(bytes, region.file_offset + (first * PAGE) as u64)?;
-                    written.bytes += bytes.len() as u64;
-                }
-                Ok::<(), std::io::Error>(())
-            };
+            let mut runs = Runs::new(&region, out);
             for (page, &mapped) in present.iter().enumerate() {
                 let offset = region.file_offset + (page * PAGE) as u64;
                 if mapped {
@@ -202,13 +229,7 @@ impl GuestRam {
                         std::slice::from_raw_parts(region.host_addr.add(page * PAGE), PAGE)
                     };
                     if !is_zero(bytes) {
-                        match &mut run {
-                            Some((first, count)) if *first + *count == page => *count += 1,
-                            _ => {
-                                flush(&mut run, &mut written)?;
-                                run = Some((page, 1));
-                            }
-                        }
+                        runs.add(page)?;
                         continue;
                     }
                 } else if let Some(source) = crate::memory::chain::layer_holding(&ram.chain, offset)
@@ -221,15 +242,15 @@ impl GuestRam {
                     // (skipping its holes).
                     source.read_exact_at(&mut page_buf, offset)?;
                     if !is_zero(&page_buf) {
-                        flush(&mut run, &mut written)?;
+                        runs.flush()?;
                         out.write_all_at(&page_buf, offset)?;
                         written.bytes += PAGE as u64;
                         continue;
                     }
                 }
-                flush(&mut run, &mut written)?;
+                runs.flush()?;
             }
-            flush(&mut run, &mut written)?;
+            written.bytes += runs.finish()?;
         }
         Ok(written)
     }

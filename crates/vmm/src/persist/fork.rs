@@ -12,7 +12,7 @@
 //!    new memfd. The parent and every clone map the files privately: clean pages stay shared
 //!    through the page cache, each side's writes stay its own, and nobody writes the files.
 //! 3. Start the clones from a zygote ([`crate::persist::zygote`]): one `mayfly zygote` process per
-//!    fork, given the state (a sealed memfd) and the base as inherited descriptors (nothing
+//!    fork, given the state (a sealed memfd) and the memory as inherited descriptors (nothing
 //!    goes to disk), prepares the restore once and fork(2)s one child per clone, each child
 //!    making its own KVM VM. Each clone is its own process with its own control socket,
 //!    console and name, an index, a new VM generation ID (its kernel RNG reseeds) and its
@@ -1099,7 +1099,7 @@ pub fn fork_from_outside(
                 Ok(file)
             };
             let state = take(captured.state_fd, "state")?;
-            if captured.memory_layer_fds.len() >= mayfly_snapshot::MAX_MEMORY_LAYERS {
+            if captured.memory_layer_fds.len() > mayfly_snapshot::MAX_MEMORY_LAYERS {
                 return Err(ForkError::Capture(format!(
                     "its memory has {} layers",
                     captured.memory_layer_fds.len() + 1
@@ -1200,6 +1200,12 @@ fn check_memory_layer(file: &File) -> Result<(), String> {
     let wanted = libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
     if seals >= 0 && seals & wanted == wanted {
         return Ok(());
+    }
+    // SAFETY: fcntl on a descriptor this process owns; it only reads its flags.
+    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 || flags & libc::O_PATH != 0 || flags & libc::O_ACCMODE == libc::O_WRONLY {
+        // Reopened by root to be read, it would read what its VMM could not.
+        return Err("its memory layer is on a descriptor that cannot read it".into());
     }
     let meta = file
         .metadata()

@@ -107,6 +107,16 @@ impl SnapshotSource {
                 memory_fds.len()
             )));
         }
+        // Each descriptor is taken (and closed) once.
+        let mut all = memory_fds.to_vec();
+        all.push(state_fd);
+        all.sort_unstable();
+        if let Some(twice) = all.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(RestoreError::MemoryLayers(format!(
+                "descriptor {} was handed over twice",
+                twice[0]
+            )));
+        }
         Ok(SnapshotSource::Inherited {
             state: take(state_fd, "state")?,
             memory: memory_fds
@@ -232,8 +242,9 @@ pub struct LoadedSnapshot {
     pub memory: File,
     /// How errors name the memory file.
     pub memory_path: String,
-    /// For a snapshot directory: the memory files its RAM is made of, bottom first (one, its
-    /// own `memory`, for a full snapshot). `None` for a fork's memory base.
+    /// The memory files its RAM is made of, bottom first: a snapshot directory's (one, its own
+    /// `memory`, for a full snapshot), or what a fork handed over (one base, or the layers its
+    /// state names and the top). Taken when RAM is mapped.
     pub chain: Option<Vec<crate::memory::chain::ChainLayer>>,
 }
 
@@ -321,6 +332,15 @@ fn handed_chain(
     let mut chain = Vec::with_capacity(handed.len() + 1);
     for (i, (file, layer)) in handed.into_iter().zip(&state.memory_layers).enumerate() {
         let name = format!("the fork's memory layer {i}");
+        // A file that is not a sealed memfd (the snapshot the parent maps) gets a description
+        // of this process's own: the parent's is not shared with its clones.
+        let file = if crate::memory::chain::is_sealed(&file) {
+            file
+        } else {
+            crate::memory::chain::reopen_handed(&file).map_err(|e| {
+                RestoreError::MemoryLayers(format!("{name} cannot be reopened: {e}"))
+            })?
+        };
         mayfly_snapshot::check_trailer(&file, state.mem_bytes, &layer.snapshot_id, &name)?;
         chain.push(ChainLayer {
             file,
@@ -700,11 +720,23 @@ pub fn start(
         state,
         kvm,
         caps,
-        ram,
+        mut ram,
         memory,
-        memory_protection,
+        mut memory_protection,
         early_vm,
     } = prepared;
+    // A clone leases what its fork handed over itself (the zygote's leases would warn the
+    // zygote, which is gone): see GuestRam::lease_handed.
+    if config.clone_of.is_some() {
+        memory_protection = ram.lease_handed();
+        if memory_protection == crate::memory::ram::BackingProtection::Unprotected {
+            eprintln!(
+                "mayfly: warning: the snapshot file this clone's memory maps cannot be leased: \
+                 the VM's memory is not protected against that file changing; do not write it \
+                 while the VM runs"
+            );
+        }
+    }
     let state = &state;
     // The vCPU threads first: they make themselves and install their filters while the VM
     // is being made (on another CPU), and wait for their vCPUs.

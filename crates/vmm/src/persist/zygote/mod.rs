@@ -3,9 +3,10 @@
 //! its KVM VM costs, not a `mayfly` process start.
 //!
 //! 1. The forking VMM starts `mayfly zygote` (one exec per fork, whatever the clone count),
-//!    passing it the fork's state, its memory base and one end of a socket pair.
+//!    passing it the fork's state, its memory (one base, or the layers its state names) and
+//!    one end of a socket pair.
 //! 2. The zygote prepares the restore once ([`crate::persist::restore::prepare`]): reads and checks the
-//!    state, opens KVM and checks the state against it, maps the memory base copy-on-write.
+//!    state, opens KVM and checks the state against it, maps the memory copy-on-write.
 //!    It never starts a thread: only a single-threaded process can fork(2) and let the child
 //!    go on allocating, opening and starting threads as any process does.
 //! 3. For each request (a clone's name, index and files, its console log attached) it forks;
