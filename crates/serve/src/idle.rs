@@ -30,6 +30,15 @@ impl Manager {
     pub fn watch_once(self: &Arc<Self>) {
         self.collect_templates();
         self.measure_disk();
+        for (key, log) in self.templates.vmm_logs() {
+            if let Ok(true) = trim_log(&log, VMM_LOG_LIMIT) {
+                self.event(
+                    "vmm_log_trimmed",
+                    "",
+                    json!({ "limit": VMM_LOG_LIMIT, "template": key }),
+                );
+            }
+        }
         let all = self.all();
         for sandbox in all {
             // A VMM's log is kept under its cap whatever its VMM writes.

@@ -113,6 +113,22 @@ impl Templates {
         Ok(snapshot)
     }
 
+    /// Each template's VMM log (a build's, under way or done) and its key: the idle watch
+    /// keeps them under their cap as it does sandboxes' logs (a build's guest may write to
+    /// its VMM for as long as its setup runs).
+    pub fn vmm_logs(&self) -> Vec<(String, PathBuf)> {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .map(|entry| {
+                let key = entry.file_name().to_string_lossy().into_owned();
+                (key, files::vmm_log(&entry.path()))
+            })
+            .collect()
+    }
+
     /// Remove every template no create has used for `ttl` (its `template.json` untouched
     /// that long); the keys removed. A template a create is using or building right now is
     /// left (its gate is taken), and so is one `in_use` says a sandbox still names (one being
