@@ -128,6 +128,17 @@ impl Manager {
         body["token"].as_str().expect("a token").to_string()
     }
 
+    /// `PUT /sandboxes/NAME/ACTION` (`pause` or `resume`) that must answer 200 with the
+    /// sandbox in `state`.
+    pub fn put_to(&self, name: &str, action: &str, state: &str) {
+        let (status, body) = self.admin("PUT", &format!("/sandboxes/{name}/{action}"), None);
+        assert_eq!(
+            (status, body["state"].as_str()),
+            (200, Some(state)),
+            "{body}"
+        );
+    }
+
     pub fn describe(&self, name: &str) -> Value {
         let (status, body) = self.admin("GET", &format!("/sandboxes/{name}"), None);
         assert_eq!(status, 200, "{body}");

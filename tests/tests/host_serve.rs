@@ -707,18 +707,8 @@ fn a_fork_makes_sandboxes_of_their_own_from_one_snapshot_running_or_asleep() {
     // The source goes; a clone still sleeps and wakes with its pages and its disk.
     let (status, body) = m.admin("DELETE", "/sandboxes/src", None);
     assert_eq!(status, 200, "{body}");
-    let (status, body) = m.admin("PUT", "/sandboxes/src-1/pause", None);
-    assert_eq!(
-        (status, body["state"].as_str()),
-        (200, Some("suspended")),
-        "{body}"
-    );
-    let (status, body) = m.admin("PUT", "/sandboxes/src-1/resume", None);
-    assert_eq!(
-        (status, body["state"].as_str()),
-        (200, Some("running")),
-        "{body}"
-    );
+    m.put_to("src-1", "pause", "suspended");
+    m.put_to("src-1", "resume", "running");
     m.wait_probe("src-1", "verified", 2);
 
     // From a sleeping sandbox: it is not woken.
@@ -768,17 +758,10 @@ fn a_fork_makes_sandboxes_of_their_own_from_one_snapshot_running_or_asleep() {
         );
     }
     for _ in 0..2 {
-        let (status, body) = m.admin("PUT", "/sandboxes/src-2/resume", None);
-        assert_eq!((status, &body["state"]), (200, &json!("running")), "{body}");
-        let (status, body) = m.admin("PUT", "/sandboxes/src-2/pause", None);
-        assert_eq!(
-            (status, &body["state"]),
-            (200, &json!("suspended")),
-            "{body}"
-        );
+        m.put_to("src-2", "resume", "running");
+        m.put_to("src-2", "pause", "suspended");
     }
-    let (status, body) = m.admin("PUT", "/sandboxes/src-2/resume", None);
-    assert_eq!((status, &body["state"]), (200, &json!("running")), "{body}");
+    m.put_to("src-2", "resume", "running");
     m.wait_probe("kid", "verified", 1);
     // The clone takes the idle timeout it was given, and wakes again.
     m.wait_state("kid", "suspended", Duration::from_secs(30));
@@ -828,14 +811,8 @@ fn a_fork_of_a_sandbox_made_from_a_template_copies_only_the_pages_it_changed() {
     // diff) and wakes with every page.
     let (status, body) = m.admin("DELETE", "/sandboxes/src", None);
     assert_eq!(status, 200, "{body}");
-    let (status, body) = m.admin("PUT", "/sandboxes/src-1/pause", None);
-    assert_eq!(
-        (status, &body["state"]),
-        (200, &json!("suspended")),
-        "{body}"
-    );
-    let (status, body) = m.admin("PUT", "/sandboxes/src-1/resume", None);
-    assert_eq!((status, &body["state"]), (200, &json!("running")), "{body}");
+    m.put_to("src-1", "pause", "suspended");
+    m.put_to("src-1", "resume", "running");
     m.wait_probe("src-1", "verified", 2);
     m.wait_probe("grand", "verified", 1);
     assert_eq!(m.describe("src-2")["state"], "running");

@@ -67,6 +67,23 @@ mod tests {
         unsafe { File::from_raw_fd(fd) }
     }
 
+    /// The first page of `file`, mapped shared and writable (the caller unmaps it).
+    fn map_shared_page(file: &File) -> *mut libc::c_void {
+        // SAFETY: a new shared mapping of the caller's memfd; the caller unmaps it.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(addr, libc::MAP_FAILED);
+        addr
+    }
+
     #[test]
     fn a_sealed_file_refuses_writes() {
         let mut file = memfd();
@@ -84,18 +101,7 @@ mod tests {
     fn a_file_mapped_shared_and_writable_is_refused_at_once() {
         let file = memfd();
         file.set_len(4096).unwrap();
-        // SAFETY: a new shared mapping of our own memfd, unmapped below.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                4096,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(addr, libc::MAP_FAILED);
+        let addr = map_shared_page(&file);
         let started = Instant::now();
         let err = add_seals(&file, libc::F_SEAL_WRITE).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EBUSY), "{err}");
@@ -113,18 +119,7 @@ mod tests {
         // does), read out only after the kernel's own wait (150 ms) has given up once.
         let file = memfd();
         file.set_len(4096).unwrap();
-        // SAFETY: a new shared mapping of our own memfd, unmapped below.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                4096,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(addr, libc::MAP_FAILED);
+        let addr = map_shared_page(&file);
         // SAFETY: the page is mapped and ours.
         unsafe { addr.cast::<u8>().write(7) };
         let mut pipe = [0; 2];

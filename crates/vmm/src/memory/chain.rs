@@ -112,22 +112,24 @@ pub fn open_chain(
     Ok(chain)
 }
 
-/// Whether `file` is sealed against writes (a fork's memfd): nothing can change it.
-pub fn is_sealed(file: &File) -> bool {
+/// Whether `file` carries every seal of `wanted` (`F_SEAL_*`; a file that cannot be sealed
+/// carries none).
+pub fn has_seals(file: &File, wanted: libc::c_int) -> bool {
     use std::os::fd::AsRawFd;
     // SAFETY: fcntl on a descriptor the caller owns; it only reads its seals.
     let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
-    seals >= 0 && seals & libc::F_SEAL_WRITE != 0
+    seals >= 0 && seals & wanted == wanted
 }
 
-/// A description of this process's own, read-only, of the file a fork handed over as `file`
-/// (the snapshot its parent maps): reopened through /proc/self/fd, checked to be the same
-/// file. A description is shared by all who hold it (its flags, who its lease warns), so a
-/// clone does not keep its parent's. A descriptor that cannot read (O_PATH, write-only) is
-/// refused: reopened, it would read what its holder could not.
-pub fn reopen_handed(file: &File) -> std::io::Result<File> {
+/// Whether `file` is sealed against writes (a fork's memfd): nothing can change it.
+pub fn is_sealed(file: &File) -> bool {
+    has_seals(file, libc::F_SEAL_WRITE)
+}
+
+/// Refuse a descriptor that cannot read its file (O_PATH, write-only): reopened by a more
+/// privileged process to be read, it would read what its holder could not.
+pub fn check_readable(file: &File) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
-    use std::os::unix::fs::MetadataExt;
     // SAFETY: fcntl on a descriptor the caller owns; it only reads its flags.
     let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
     if flags < 0 {
@@ -139,6 +141,25 @@ pub fn reopen_handed(file: &File) -> std::io::Result<File> {
             "a memory file handed over on a descriptor that cannot read it",
         ));
     }
+    Ok(())
+}
+
+/// Whether only `uid` may write `meta`'s file: a regular file of its, that neither its group
+/// nor others may write.
+pub fn written_only_by(meta: &std::fs::Metadata, uid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    meta.file_type().is_file() && meta.uid() == uid && meta.mode() & 0o022 == 0
+}
+
+/// A description of this process's own, read-only, of the file a fork handed over as `file`
+/// (the snapshot its parent maps): reopened through /proc/self/fd, checked to be the same
+/// file. A description is shared by all who hold it (its flags, who its lease warns), so a
+/// clone does not keep its parent's. A descriptor that cannot read (O_PATH, write-only) is
+/// refused: reopened, it would read what its holder could not.
+pub fn reopen_handed(file: &File) -> std::io::Result<File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    check_readable(file)?;
     let reopened = File::open(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
     let (was, is) = (file.metadata()?, reopened.metadata()?);
     if (was.dev(), was.ino()) != (is.dev(), is.ino()) || !is.file_type().is_file() {

@@ -23,7 +23,7 @@ use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap};
 use mayfly_snapshot::MemoryRange;
 
 use crate::arch::layout::ram_ranges;
-use crate::memory::chain::ChainLayer;
+use crate::memory::chain::{has_seals, is_sealed, ChainLayer};
 
 /// The guest's physical memory as the VMM sees it.
 pub type GuestMemory = GuestMemoryMmap<()>;
@@ -69,6 +69,17 @@ pub(crate) fn seal_base(file: &File) -> Result<(), MemoryError> {
 
 /// fcntl(2)'s F_SETSIG, which the libc crate does not name.
 const F_SETSIG: libc::c_int = 10;
+
+/// Take a read lease on `file` for this process: the kernel sends it [`lease_signal`] before
+/// anyone opens the file for writing or truncates it. Whether it was taken.
+fn lease(file: &File) -> bool {
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on a descriptor the caller owns, with a valid signal number; checked.
+    unsafe {
+        libc::fcntl(fd, F_SETSIG, lease_signal()) == 0
+            && libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) == 0
+    }
+}
 
 /// The signal the kernel sends when another process wants to change a memory file this VM
 /// holds a lease on (see [`GuestRam::protect_backing`]).
@@ -402,37 +413,25 @@ impl GuestRam {
         if self.kind != RamKind::CopyOnWrite {
             return BackingProtection::Private;
         }
-        let sealed = |fd: i32| {
-            // SAFETY: fcntl on a descriptor we own; the result is checked.
-            let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
-            let needed = libc::F_SEAL_SHRINK | libc::F_SEAL_WRITE;
-            seals >= 0 && seals & needed == needed
-        };
-        let lease = |fd: i32| {
-            // SAFETY: fcntl on a descriptor we own, with a valid signal number; checked.
-            unsafe {
-                libc::fcntl(fd, F_SETSIG, lease_signal()) == 0
-                    && libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) == 0
-            }
-        };
         // Every file RAM maps: the backing (the chain's bottom), and the layers above it of a
         // diff snapshot's chain or a fork's: a change to any of them changes guest memory.
         // Not a file a fork handed over that is not sealed (the snapshot its parent was
         // restored from): its description is shared by every clone the zygote makes, and a
         // lease warns only the last process that set it. Each clone leases a description
         // of its own ([`GuestRam::lease_handed`]).
-        let files = std::iter::once((self.backing.as_raw_fd(), self.chain.first())).chain(
+        let files = std::iter::once((&self.backing, self.chain.first())).chain(
             self.chain
                 .iter()
                 .skip(1)
-                .map(|layer| (layer.file.as_raw_fd(), Some(layer))),
+                .map(|layer| (&layer.file, Some(layer))),
         );
         let mut leased = false;
-        for (fd, layer) in files {
-            if sealed(fd) || layer.is_some_and(|layer| layer.from_fork) {
+        for (file, layer) in files {
+            let sealed = has_seals(file, libc::F_SEAL_SHRINK | libc::F_SEAL_WRITE);
+            if sealed || layer.is_some_and(|layer| layer.from_fork) {
                 continue;
             }
-            if !lease(fd) {
+            if !lease(file) {
                 return BackingProtection::Unprotected;
             }
             leased = true;
@@ -456,19 +455,13 @@ impl GuestRam {
         let mut leased = false;
         for i in 0..self.chain.len() {
             let layer = &self.chain[i];
-            if !layer.from_fork || crate::memory::chain::is_sealed(&layer.file) {
+            if !layer.from_fork || is_sealed(&layer.file) {
                 continue;
             }
             let Ok(own) = crate::memory::chain::reopen_handed(&layer.file) else {
                 return BackingProtection::Unprotected;
             };
-            let fd = own.as_raw_fd();
-            // SAFETY: fcntl on the descriptor just opened, with a valid signal number; checked.
-            let ok = unsafe {
-                libc::fcntl(fd, F_SETSIG, lease_signal()) == 0
-                    && libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) == 0
-            };
-            if !ok {
+            if !lease(&own) {
                 return BackingProtection::Unprotected;
             }
             if i == 0 {
@@ -878,9 +871,7 @@ mod tests {
         let top = &layers[1];
         assert!(top.from_fork);
         assert!(copied <= top.extents.as_ref().unwrap().iter().map(|e| e.len).sum());
-        // SAFETY: fcntl on a descriptor the layer owns; it only reads its seals.
-        let seals = unsafe { libc::fcntl(top.file.as_raw_fd(), libc::F_GET_SEALS) };
-        assert_eq!(seals & BASE_SEALS, BASE_SEALS);
+        assert!(crate::memory::chain::has_seals(&top.file, BASE_SEALS));
         mayfly_snapshot::check_trailer(&top.file, size, &[7; 16], "the top").unwrap();
         layers
     }

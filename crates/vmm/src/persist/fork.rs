@@ -742,12 +742,13 @@ fn freeze(vm: &mut Machine, start: Instant, pause_ms: f64) -> Result<Frozen, For
 /// ([`check_memory_layer`]): root's, and nobody else may write it (the sandbox manager's
 /// template). A file of the jail's own (a snapshot it wrote) is copied instead.
 fn handed_as_is(file: &File) -> bool {
-    use std::os::unix::fs::MetadataExt;
     if mayfly_jail::jail::current().is_none() {
         return true;
     }
-    file.metadata()
-        .is_ok_and(|meta| meta.file_type().is_file() && meta.uid() == 0 && meta.mode() & 0o022 == 0)
+    crate::memory::chain::check_readable(file).is_ok()
+        && file
+            .metadata()
+            .is_ok_and(|meta| crate::memory::chain::written_only_by(&meta, 0))
 }
 
 /// The clones of one fork, as they are to be made (steps 3 and 4).
@@ -1088,10 +1089,7 @@ pub fn fork_from_outside(
                     )))?;
                 // Sealed (by the VMM, before anything mapped it): not even that VMM can
                 // change what the clones restore, whatever it runs.
-                // SAFETY: fcntl on a descriptor this process owns; it only reads its seals.
-                let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
-                let wanted = libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
-                if seals < 0 || seals & wanted != wanted {
+                if !crate::memory::chain::has_seals(&file, UNCHANGEABLE) {
                     return Err(ForkError::Capture(format!(
                         "its {what} is not a sealed file: it could change under the clones"
                     )));
@@ -1186,6 +1184,10 @@ pub fn fork_from_outside(
     })
 }
 
+/// The seals of a file a fork's maker takes from a VMM as it is: nobody, that VMM included,
+/// can change its contents or size.
+const UNCHANGEABLE: libc::c_int = libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+
 /// A memory layer a jailed VMM hands over under its own pages (a fork of a VM restored
 /// copy-on-write): the clones map it, so nothing but this process's owner may be able to
 /// change it. A sealed memfd (an earlier fork's) cannot change; any other file must be a
@@ -1195,24 +1197,18 @@ pub fn fork_from_outside(
 /// jailed one sees only its own jail's.
 fn check_memory_layer(file: &File) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
-    // SAFETY: fcntl on a descriptor this process owns; it only reads its seals.
-    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
-    let wanted = libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
-    if seals >= 0 && seals & wanted == wanted {
+    if crate::memory::chain::has_seals(file, UNCHANGEABLE) {
         return Ok(());
     }
-    // SAFETY: fcntl on a descriptor this process owns; it only reads its flags.
-    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
-    if flags < 0 || flags & libc::O_PATH != 0 || flags & libc::O_ACCMODE == libc::O_WRONLY {
-        // Reopened by root to be read, it would read what its VMM could not.
-        return Err("its memory layer is on a descriptor that cannot read it".into());
-    }
+    // Reopened by root to be read, it would read what its VMM could not.
+    crate::memory::chain::check_readable(file)
+        .map_err(|_| "its memory layer is on a descriptor that cannot read it".to_string())?;
     let meta = file
         .metadata()
         .map_err(|e| format!("its memory layer cannot be looked at: {e}"))?;
     // SAFETY: geteuid has no preconditions.
     let owner = unsafe { libc::geteuid() };
-    if !meta.file_type().is_file() || meta.uid() != owner || meta.mode() & 0o022 != 0 {
+    if !crate::memory::chain::written_only_by(&meta, owner) {
         return Err(format!(
             "its memory layer is not a sealed memfd nor a file only uid {owner} may write \
              (owner {}, mode {:o}): it could change under the clones (restore the VM from a \
